@@ -1,0 +1,1 @@
+from .backends import available_backends, batched_newton_schulz

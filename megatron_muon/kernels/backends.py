@@ -1,0 +1,216 @@
+"""Newton-Schulz backends behind one signature, and the batched entry point.
+
+Every backend is ``fn(x [b, m, n], coeffs [(a, b, c)] * steps, eps, dtype) -> [b, m, n]``
+(result in x's dtype) so that the tuner can time and validate them interchangeably:
+
+- ``torch_batched``: the reference maths over the whole batch (``bmm``/``baddbmm``,
+  X X^T once per step, tall inputs transposed) - one launch per op for all matrices.
+- ``torch_loop``: one matrix at a time; the baseline a per-parameter optimizer pays.
+- ``triton`` / ``triton:BLOCKxBLOCK_K:wW:sS``: the kernels of ``triton_ns`` (symmetric
+  Gram product on upper-triangle tiles only, fused polynomial and fused update).
+
+Triton is imported only when a triton backend is first used, so this module (and
+``megatron_muon.kernels``) imports on machines without triton.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+
+import torch
+
+from ..newton_schulz import Coefficients, newton_schulz, resolve_coefficients
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .tuner import NSTuner
+
+__all__ = [
+    "Backend",
+    "TritonConfig",
+    "BACKEND_NAMES",
+    "torch_batched",
+    "torch_loop",
+    "get_backend",
+    "available_backends",
+    "triton_usable",
+    "batched_newton_schulz",
+]
+
+Backend = Callable[[torch.Tensor, Sequence[tuple[float, float, float]], float, Optional[torch.dtype]],
+                   torch.Tensor]
+
+#: Plain names; ``triton:...`` names with an explicit tile config are accepted too.
+BACKEND_NAMES = ("torch_batched", "torch_loop", "triton")
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """Tile sizes and launch options shared by both kernels.
+
+    ``block`` is the square tile of the symmetric kernel and the M/N tile of the update
+    kernel (square so that mirrored tiles line up); ``block_k`` the reduction tile.
+    """
+
+    block: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+    @property
+    def name(self) -> str:
+        return f"triton:{self.block}x{self.block_k}:w{self.num_warps}:s{self.num_stages}"
+
+    @staticmethod
+    def parse(spec: str) -> "TritonConfig":
+        """Parse ``BLOCKxBLOCK_K:wWARPS:sSTAGES`` (the part after ``triton:``)."""
+        try:
+            tiles, w, s = spec.split(":")
+            block, block_k = (int(v) for v in tiles.split("x"))
+            if not (w.startswith("w") and s.startswith("s")):
+                raise ValueError
+            cfg = TritonConfig(block, block_k, int(w[1:]), int(s[1:]))
+        except ValueError:
+            raise ValueError(
+                f"bad triton config {spec!r}; expected e.g. 'triton:128x64:w8:s3' "
+                "(BLOCKxBLOCK_K:wNUM_WARPS:sNUM_STAGES)"
+            ) from None
+        for v in (cfg.block, cfg.block_k):
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"triton tile sizes must be powers of two >= 16, got {spec!r}")
+        return cfg
+
+
+def torch_batched(x: torch.Tensor, coeffs: Sequence[tuple[float, float, float]], eps: float,
+                  dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """Whole batch at once: the reference implementation is already batched via bmm."""
+    return newton_schulz(x, steps=len(coeffs), coefficients=list(coeffs), eps=eps, dtype=dtype)
+
+
+def torch_loop(x: torch.Tensor, coeffs: Sequence[tuple[float, float, float]], eps: float,
+               dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """One matrix at a time (baseline): what a per-parameter Muon loop costs."""
+    outs = [newton_schulz(x[i], steps=len(coeffs), coefficients=list(coeffs), eps=eps, dtype=dtype)
+            for i in range(x.shape[0])]
+    if not outs:
+        return torch.empty_like(x)
+    return torch.stack(outs)
+
+
+def _interpret_env() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_usable(device: Union[torch.device, str, None] = None) -> bool:
+    """Triton can run here: it is installed and either the tensors are on CUDA or
+    TRITON_INTERPRET=1 is set (CPU tensors, numpy-simulated kernels)."""
+    if not _triton_importable():
+        return False
+    if _interpret_env():
+        return True
+    if device is None:
+        return torch.cuda.is_available()
+    return torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+def _triton_backend(config: Optional[str]) -> Backend:
+    """A triton backend with a fixed tile config (``None``: per-dtype default)."""
+
+    def run(x: torch.Tensor, coeffs: Sequence[tuple[float, float, float]], eps: float,
+            dtype: Optional[torch.dtype]) -> torch.Tensor:
+        if not triton_usable(x.device):
+            raise RuntimeError(
+                "the triton NS backend needs triton installed and a CUDA tensor "
+                f"(or TRITON_INTERPRET=1 for CPU tensors); got a tensor on {x.device}"
+            )
+        from . import triton_ns  # lazy: decorates the kernels (reads TRITON_INTERPRET) now
+
+        cfg = TritonConfig.parse(config) if config else None
+        return triton_ns.triton_newton_schulz(x, list(coeffs), eps, dtype, cfg)
+
+    run.__name__ = "triton" if config is None else f"triton:{config}"
+    return run
+
+
+def get_backend(name: str) -> Backend:
+    """Backend callable by name; ValueError (listing the valid names) for anything else."""
+    if not isinstance(name, str):
+        raise ValueError(f"NS backend name must be a string, got {name!r}")
+    if name == "torch_batched":
+        return torch_batched
+    if name == "torch_loop":
+        return torch_loop
+    if name == "triton":
+        return _triton_backend(None)
+    if name.startswith("triton:"):
+        spec = name[len("triton:"):]
+        TritonConfig.parse(spec)  # validate now, without importing triton
+        return _triton_backend(spec)
+    raise ValueError(
+        f"unknown NS backend {name!r}; choose one of {list(BACKEND_NAMES)}, "
+        "'triton:BLOCKxBLOCK_K:wWARPS:sSTAGES' or 'auto'"
+    )
+
+
+def available_backends(device: Union[torch.device, str, None] = None) -> list[str]:
+    """Backends that can run on ``device`` now (default: CUDA if present, else CPU)."""
+    names = ["torch_batched", "torch_loop"]
+    if triton_usable(device):
+        names.append("triton")
+    return names
+
+
+def _check_input(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"batched_newton_schulz expects a torch.Tensor, got {type(x).__name__}")
+    if x.ndim not in (2, 3):
+        raise ValueError(
+            f"batched_newton_schulz expects a matrix [m, n] or a batch [b, m, n], "
+            f"got a {x.ndim}-D tensor of shape {tuple(x.shape)}"
+        )
+    if x.shape[-1] == 0 or x.shape[-2] == 0:
+        raise ValueError(f"batched_newton_schulz got an empty matrix shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"batched_newton_schulz needs a floating-point tensor, got {x.dtype}")
+
+
+def batched_newton_schulz(
+    x: torch.Tensor,
+    steps: int = 5,
+    coefficients: Coefficients = "simple",
+    eps: float = 1e-7,
+    dtype: Optional[torch.dtype] = None,
+    backend: Union[str, Backend] = "auto",
+    tuner: Optional["NSTuner"] = None,
+) -> torch.Tensor:
+    """NS_k of one matrix [m, n] or of a batch [b, m, n] of same-shape matrices.
+
+    ``backend='auto'`` asks ``tuner`` for the fastest validated backend for this
+    (shape, batch, dtype, device) and falls back to ``torch_batched`` without a tuner;
+    a name picks a backend explicitly (ValueError for unknown names).  ``dtype`` is
+    the compute dtype (default x's).  Result: x's shape and dtype.
+    """
+    _check_input(x)
+    coeffs = resolve_coefficients(coefficients, steps)  # ValueError on bad steps / names
+    X = x if x.ndim == 3 else x.unsqueeze(0)
+    if X.shape[0] == 0:
+        return x.clone()
+    cdtype = dtype or x.dtype
+    if callable(backend):
+        fn = backend
+    elif backend == "auto":
+        if tuner is None:
+            fn = torch_batched
+        else:
+            name = tuner.choose(X.shape[1], X.shape[2], X.shape[0], cdtype, X.device)
+            fn = tuner.backend(name)
+    else:
+        fn = get_backend(backend)
+    out = fn(X, coeffs, eps, cdtype)
+    return out if x.ndim == 3 else out.squeeze(0)

@@ -1,0 +1,84 @@
+"""``DMuonOptimizerConfig``: Megatron-Core's ``OptimizerConfig`` plus the DMuon fields.
+
+Muon fields carry Megatron-Core 0.19's names (``muon_momentum``, ``muon_nesterov``, ...).
+On 0.16.1, whose config calls Nesterov ``muon_use_nesterov``, both names are accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from megatron.core.optimizer import OptimizerConfig
+
+from ..muon import check_muon_hyperparameters
+
+__all__ = ["DMuonOptimizerConfig", "MUON_OPTIMIZERS", "NS_PRECISIONS"]
+
+MUON_OPTIMIZERS = ("dmuon", "muon_naive")
+NS_PRECISIONS = ("highest", "high", "medium")
+PLACEMENTS = ("dmuon",)
+_BASE_FIELDS = {f.name for f in fields(OptimizerConfig)}
+
+
+@dataclass
+class DMuonOptimizerConfig(OptimizerConfig):
+    """Optimizer config for ``optimizer='dmuon'`` (owner-centric Muon) and ``'muon_naive'``.
+
+    Everything not listed here is Megatron-Core's ``OptimizerConfig`` (lr, weight_decay,
+    clip_grad, bf16, use_distributed_optimizer, adam_* for the AdamW part, ...).
+    """
+
+    optimizer: str = "dmuon"
+
+    # --- Muon maths (Megatron-Core 0.19 names and defaults) ---
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = False
+    muon_num_ns_steps: int = 5
+    muon_coefficient_type: str = "quintic"
+    muon_scale_mode: str = "spectral"
+    muon_extra_scale_factor: float = 1.0
+    muon_split_qkv: bool = True
+    muon_fp32_matmul_prec: str = "medium"
+    """'highest': fp32 NS; 'high': fp32 with TF32 matmuls (GPU); 'medium': bf16 NS."""
+
+    # --- DMuon ---
+    dmuon_split_fc1: bool = False
+    """Orthogonalise a SwiGLU linear_fc1 as separate gate and up units."""
+    dmuon_adam_params: Optional[str] = None
+    """Regex of extra parameter names that go to AdamW even if they are hidden 2-D matrices."""
+    dmuon_plan_cost: str = "flops"
+    """Owner-plan cost model: 'flops' (k (2 m n s + s^3)) or 'tuner' (measured NS times)."""
+    dmuon_tuner_cache: Optional[str] = None
+    dmuon_ns_backend: str = "auto"
+    """'auto' (tuner if dmuon_plan_cost == 'tuner', else torch batched), 'torch', 'triton'."""
+    dmuon_log_plan: bool = True
+    dmuon_check_finite: bool = False
+    """Raise a clear error if a Muon gradient is NaN/Inf (costs one reduction per step)."""
+    dmuon_placement: str = "dmuon"
+
+    def __post_init__(self):
+        if "muon_use_nesterov" in _BASE_FIELDS and getattr(self, "muon_use_nesterov", False):
+            self.muon_nesterov = True  # 0.16.1 spelling
+        super().__post_init__()
+        if self.optimizer not in MUON_OPTIMIZERS + ("adam", "sgd"):
+            raise ValueError(
+                f"DMuonOptimizerConfig.optimizer must be one of {MUON_OPTIMIZERS + ('adam', 'sgd')}, "
+                f"got {self.optimizer!r}")
+        check_muon_hyperparameters(momentum=self.muon_momentum, ns_steps=self.muon_num_ns_steps,
+                                   coefficient_type=self.muon_coefficient_type,
+                                   scale_mode=self.muon_scale_mode)
+        if self.muon_fp32_matmul_prec not in NS_PRECISIONS:
+            raise ValueError(f"muon_fp32_matmul_prec must be one of {NS_PRECISIONS}, "
+                             f"got {self.muon_fp32_matmul_prec!r}")
+        if self.dmuon_plan_cost not in ("flops", "tuner"):
+            raise ValueError(f"dmuon_plan_cost must be 'flops' or 'tuner', got {self.dmuon_plan_cost!r}")
+        if self.dmuon_ns_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"dmuon_ns_backend must be 'auto', 'torch' or 'triton', "
+                             f"got {self.dmuon_ns_backend!r}")
+        if self.dmuon_placement not in PLACEMENTS:
+            raise ValueError(f"dmuon_placement must be one of {PLACEMENTS}, got {self.dmuon_placement!r}")
+        if self.optimizer in MUON_OPTIMIZERS and not self.use_distributed_optimizer:
+            raise ValueError(
+                f"optimizer={self.optimizer!r} is a distributed optimizer: set "
+                "use_distributed_optimizer=True (--use-distributed-optimizer)")

@@ -1,0 +1,165 @@
+"""Run real Megatron-Core on CPU with gloo when CUDA is absent (test and demo infrastructure).
+
+Megatron-Core assumes CUDA in a handful of places (ENVIRONMENT.md): ``device="cuda"``
+literals and ``.cuda()`` calls, ``torch.cuda.current_device()`` as a device, string checks
+such as ``param.type() == 'torch.cuda.FloatTensor'``, streams and ``synchronize``.
+``enable_cpu_mode()`` maps all of these onto the CPU:
+
+* a ``TorchFunctionMode`` rewrites cuda devices to cpu in every torch call, turns
+  ``Tensor.cuda()`` into a no-op, and answers ``Tensor.type()`` with the CUDA type names;
+* ``torch.cuda.current_device/current_stream/synchronize/Stream/Event`` and the CUDA RNG
+  entry points get CPU stand-ins.
+
+It does nothing (and returns False) when CUDA is available, so the same code runs on GPUs
+with NCCL unchanged.  Call it once per process before building Megatron objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["enable_cpu_mode", "cpu_mode_active", "default_backend", "default_device"]
+
+_ACTIVE = False
+_LOCK = threading.Lock()
+_CPU = torch.device("cpu")
+
+
+def cpu_mode_active() -> bool:
+    return _ACTIVE
+
+
+def default_backend() -> str:
+    """NCCL on GPUs, gloo on CPU."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else _CPU
+
+
+def _is_cuda(dev) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    return isinstance(dev, int) and not isinstance(dev, bool)
+
+
+_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA device arguments to CPU; answers type() with CUDA names."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return _TYPE_NAMES.get(args[0].dtype, func(*args))
+        if func is torch.Tensor.is_cuda.__get__:
+            return False
+        dev = kwargs.get("device")
+        if dev is not None and _is_cuda(dev):
+            kwargs = dict(kwargs, device=_CPU)
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """Stand-in for torch.cuda.Stream / current_stream on CPU: everything is synchronous."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NullEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _NullEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def enable_cpu_mode() -> bool:
+    """Patch torch.cuda entry points for CPU-only Megatron-Core; no-op when CUDA exists."""
+    global _ACTIVE
+    if torch.cuda.is_available():
+        return False
+    with _LOCK:
+        if _ACTIVE:
+            return True
+        cuda = torch.cuda
+        cuda.current_device = lambda: _CPU
+        cuda.current_stream = lambda *a, **k: _NullStream()
+        cuda.default_stream = lambda *a, **k: _NullStream()
+        cuda.Stream = _NullStream
+        cuda.Event = _NullEvent
+        cuda.stream = lambda *a, **k: contextlib.nullcontext()
+        cuda.set_stream = lambda *a, **k: None
+        cuda.synchronize = lambda *a, **k: None
+        cuda.empty_cache = lambda: None
+        cuda.set_device = lambda *a, **k: None
+        cuda.device_count = lambda: 0
+        cuda.manual_seed = lambda seed: None
+        cuda.manual_seed_all = lambda seed: None
+        cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+        cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+        cuda.memory_allocated = lambda *a, **k: 0
+        cuda.max_memory_allocated = lambda *a, **k: 0
+        cuda.memory_reserved = lambda *a, **k: 0
+        cuda.nvtx.range_push = lambda *a, **k: None
+        cuda.nvtx.range_pop = lambda *a, **k: None
+        _CudaToCpu().__enter__()  # stays on the mode stack for the life of the process
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        _ACTIVE = True
+    return True

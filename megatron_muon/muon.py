@@ -1,0 +1,124 @@
+"""Reference Muon: the single-process oracle every distributed path is tested against.
+
+SPEC section 1, written to be obviously correct rather than fast:
+
+    M <- mu * M + G
+    U <- G + mu * M   (nesterov)  |  U <- M
+    O <- NS_k(U)      per unit (QKV blocks, experts, gate/up, or the whole matrix)
+    W <- W * (1 - lr * wd) - lr * scale(unit) * O
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Mapping, Optional
+
+import torch
+
+from .newton_schulz import muon_scale, newton_schulz, resolve_coefficients, SCALE_MODES
+from .units import Unit, extract_unit, insert_unit, whole_units
+
+__all__ = ["Muon", "muon_update_direction", "check_muon_hyperparameters"]
+
+
+def check_muon_hyperparameters(*, momentum: float, ns_steps: int, coefficient_type,
+                               scale_mode: str) -> None:
+    """Validate the Muon settings shared by every optimizer in this package."""
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"muon momentum must be in [0, 1), got {momentum}")
+    resolve_coefficients(coefficient_type, ns_steps)  # raises on bad names / steps
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"unknown muon scale mode {scale_mode!r}; choose one of {list(SCALE_MODES)}")
+
+
+def muon_update_direction(update: torch.Tensor, units: list[Unit], *, ns_steps: int,
+                          coefficient_type, scale_mode: str, extra_scale_factor: float,
+                          eps: float = 1e-7, ns_dtype: Optional[torch.dtype] = None
+                          ) -> torch.Tensor:
+    """scale(unit) * NS(unit) for every unit of a momentum-updated matrix, unit by unit."""
+    out = torch.empty_like(update, dtype=torch.float32)
+    for unit in units:
+        u = extract_unit(update, unit).float()
+        o = newton_schulz(u, steps=ns_steps, coefficients=coefficient_type, eps=eps,
+                          dtype=ns_dtype or torch.float32).float()
+        m, n = unit.shape
+        insert_unit(out, unit, o * muon_scale(m, n, scale_mode, extra_scale_factor))
+    return out
+
+
+class Muon(torch.optim.Optimizer):
+    """Single-device Muon (SPEC section 1) for 2-D parameters.
+
+    Args:
+        params: 2-D parameters (or param groups).
+        lr, weight_decay: decoupled weight decay, ``W *= 1 - lr * wd``.
+        momentum, nesterov: momentum buffer ``M = mu M + G``; Nesterov uses ``G + mu M``.
+        ns_steps, coefficient_type: Newton-Schulz iteration count and coefficient set
+            (``simple``, ``quintic``, ``polar_express``, ``cubic`` or explicit triples).
+        scale_mode, extra_scale_factor: update scale per unit (Megatron-Core names).
+        units: optional ``{param: [Unit, ...]}`` (QKV split, experts, gate/up); default is
+            the whole matrix.
+        ns_dtype: compute dtype of NS (default fp32; ``torch.bfloat16`` as most Muon codes).
+    """
+
+    def __init__(self, params: Iterable, lr: float = 0.02, momentum: float = 0.95,
+                 nesterov: bool = True, weight_decay: float = 0.0, ns_steps: int = 5,
+                 coefficient_type="simple", scale_mode: str = "spectral",
+                 extra_scale_factor: float = 1.0, eps: float = 1e-7,
+                 units: Optional[Mapping[torch.Tensor, list[Unit]]] = None,
+                 ns_dtype: Optional[torch.dtype] = None):
+        if lr < 0.0:
+            raise ValueError(f"learning rate must be >= 0, got {lr}")
+        if weight_decay < 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        check_muon_hyperparameters(momentum=momentum, ns_steps=ns_steps,
+                                   coefficient_type=coefficient_type, scale_mode=scale_mode)
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                        ns_steps=ns_steps, coefficient_type=coefficient_type,
+                        scale_mode=scale_mode, extra_scale_factor=extra_scale_factor, eps=eps)
+        super().__init__(params, defaults)
+        self._units = {}
+        units = units or {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim != 2:
+                    raise ValueError(
+                        f"Muon only takes 2-D parameters; got one of shape {tuple(p.shape)} "
+                        "(give embeddings' 1-D/ND tensors, norms and biases to AdamW)"
+                    )
+                self._units[p] = list(units.get(p, whole_units(p.shape)))
+                for u in self._units[p]:
+                    if u.param_shape != tuple(p.shape):
+                        raise ValueError(f"unit {u} does not match parameter shape {tuple(p.shape)}")
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            mu = group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad.float()
+                if not torch.isfinite(g).all():
+                    raise ValueError(
+                        f"Muon got a non-finite (NaN/Inf) gradient for a parameter of shape "
+                        f"{tuple(p.shape)}; check the loss scale or the data"
+                    )
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(g)
+                buf = state["momentum_buffer"]
+                buf.mul_(mu).add_(g)
+                update = g.add(buf, alpha=mu) if group["nesterov"] else buf
+                direction = muon_update_direction(
+                    update, self._units[p], ns_steps=group["ns_steps"],
+                    coefficient_type=group["coefficient_type"], scale_mode=group["scale_mode"],
+                    extra_scale_factor=group["extra_scale_factor"], eps=group["eps"],
+                    ns_dtype=self.ns_dtype)
+                p.mul_(1.0 - group["lr"] * group["weight_decay"])
+                p.add_(direction.to(p.dtype), alpha=-group["lr"])
+        return loss

@@ -1,0 +1,238 @@
+"""Tiny real Megatron-Core GPT for tests, benchmarks and examples.
+
+Deterministic: weights come from ``use_cpu_initialization`` (the same full matrices for
+every TP size) and the data of step ``s`` is a fixed global batch of
+``dp * num_microbatches`` microbatches, of which DP rank ``d`` takes its contiguous share.
+A single-process reference that takes all of them sees exactly the same mean gradient.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "TinyGPTConfig",
+    "init_parallel",
+    "build_gpt",
+    "global_batch",
+    "train_step",
+    "full_named_params",
+    "layout_ranks",
+]
+
+
+@dataclass
+class TinyGPTConfig:
+    num_layers: int = 4
+    hidden_size: int = 64
+    ffn_hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = 2
+    vocab_size: int = 128
+    seq_length: int = 16
+    micro_batch_size: int = 2
+    num_microbatches: int = 2
+    swiglu: bool = False
+    add_bias_linear: bool = False
+    bf16: bool = False
+    num_moe_experts: Optional[int] = None
+    seed: int = 1234
+    data_seed: int = 42
+    extra: dict = field(default_factory=dict)  # more TransformerConfig fields
+
+
+def init_parallel(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1,
+                  seed: int = 1234) -> None:
+    """Megatron model-parallel groups + RNG for an already initialised world."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    world = dist.get_world_size()
+    if world % (tp * pp) != 0:
+        raise ValueError(f"TP x PP = {tp} x {pp} does not divide the world size {world}")
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep)
+    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available())
+
+
+def transformer_config(cfg: TinyGPTConfig):
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+
+    kwargs = dict(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size, num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups, use_cpu_initialization=True,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        pipeline_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
+        params_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
+        bf16=cfg.bf16, add_bias_linear=cfg.add_bias_linear, gated_linear_unit=cfg.swiglu,
+        hidden_dropout=0.0, attention_dropout=0.0, batch_p2p_sync=False,
+        num_moe_experts=cfg.num_moe_experts,
+        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+    )
+    if cfg.swiglu:
+        kwargs["activation_func"] = torch.nn.functional.silu
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vpp:
+        kwargs["virtual_pipeline_model_parallel_size"] = vpp
+    if cfg.num_moe_experts:
+        kwargs.update(moe_router_topk=1, moe_token_dispatcher_type="alltoall",
+                      moe_aux_loss_coeff=0.0,
+                      expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size())
+    kwargs.update(cfg.extra)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt(cfg: TinyGPTConfig, *, wrap_ddp: bool = True, ddp_config=None,
+              layer_spec=None) -> list:
+    """GPTModel chunks for this rank's pipeline stage(s), optionally wrapped in Megatron DDP."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    tcfg = transformer_config(cfg)
+    spec = layer_spec or get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts)
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    chunks = []
+    for v in range(vpp):
+        kw = {}
+        if vpp > 1:
+            kw["vp_stage"] = v
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, **kw) if vpp > 1 \
+            else parallel_state.is_pipeline_first_stage()
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, **kw) if vpp > 1 \
+            else parallel_state.is_pipeline_last_stage()
+        model = GPTModel(config=tcfg, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
+                         max_sequence_length=cfg.seq_length, pre_process=pre, post_process=post,
+                         share_embeddings_and_output_weights=False,
+                         position_embedding_type="rope", **kw)
+        if cfg.bf16:
+            model = model.to(torch.bfloat16)
+        chunks.append(model)
+    if not wrap_ddp:
+        return chunks
+    ddp_config = ddp_config or DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=False, bucket_size=None,
+        grad_reduce_in_fp32=True)
+    wrapped = []
+    for i, model in enumerate(chunks):
+        wrapped.append(DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=model,
+                                               disable_bucketing=i > 0))
+    return wrapped
+
+
+def global_batch(cfg: TinyGPTConfig, step: int, index: int) -> dict:
+    """Microbatch ``index`` of the global batch of ``step`` (same on every layout)."""
+    g = torch.Generator().manual_seed(cfg.data_seed * 1_000_003 + step * 10_007 + index)
+    # A learnable pattern (shifted copies) plus noise, so the loss can go down.
+    base = torch.randint(0, cfg.vocab_size, (cfg.micro_batch_size, 1), generator=g)
+    ramp = torch.arange(cfg.seq_length + 1)[None, :]
+    noise = torch.randint(0, 3, (cfg.micro_batch_size, cfg.seq_length + 1), generator=g)
+    x = (base + ramp * 7 + noise) % cfg.vocab_size
+    tokens, labels = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+    pos = torch.arange(cfg.seq_length)[None, :].expand(cfg.micro_batch_size, -1).contiguous()
+    return {"tokens": tokens, "labels": labels, "position_ids": pos,
+            "loss_mask": torch.ones_like(labels, dtype=torch.float32)}
+
+
+def _forward_step(data_iterator: Iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+    def loss_func(loss_mask, output_tensor):
+        loss = (output_tensor.float() * loss_mask).sum() / loss_mask.sum()
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def train_step(model: list, optimizer, cfg: TinyGPTConfig, step: int, dp_rank: int, dp_size: int,
+               num_microbatches: Optional[int] = None, forward_only: bool = False,
+               grad_hook: Optional[Callable] = None) -> dict:
+    """One training step (forward/backward over this DP rank's microbatches + optimizer.step)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    m = num_microbatches or cfg.num_microbatches
+    batches = [global_batch(cfg, step, dp_rank * m + j) for j in range(m)]
+    vpp = len(model)
+    iters = [iter(batches) for _ in range(vpp)] if vpp > 1 else iter(batches)
+    for chunk in model:
+        if hasattr(chunk, "zero_grad_buffer"):
+            chunk.zero_grad_buffer()
+    if optimizer is not None:
+        optimizer.zero_grad()
+    fb = get_forward_backward_func()
+    losses = fb(forward_step_func=_forward_step, data_iterator=iters,
+                model=model if vpp > 1 else model[0], num_microbatches=m,
+                seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
+                forward_only=forward_only)
+    if grad_hook is not None:
+        grad_hook()
+    out = {}
+    if losses:
+        out["loss"] = float(torch.stack([l["lm loss"] for l in losses]).mean())
+    if optimizer is not None and not forward_only:
+        ok, grad_norm, _ = optimizer.step()
+        out.update(update_successful=bool(ok), grad_norm=grad_norm)
+    return out
+
+
+def layout_ranks() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return dict(tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
+                dp=ps.get_data_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+                pp_size=ps.get_pipeline_model_parallel_world_size(),
+                dp_size=ps.get_data_parallel_world_size())
+
+
+_LAYER_RE = re.compile(r"(^|\.)layers\.(\d+)\.")
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def global_param_name(model_chunk, name: str) -> str:
+    """Parameter name with the pipeline-local layer index replaced by the global one."""
+    gpt = _unwrap(model_chunk)
+    match = _LAYER_RE.search(name)
+    if not match:
+        return name
+    local = int(match.group(2))
+    layer = gpt.decoder.layers[local]
+    glob = layer.layer_number - 1
+    return name[: match.start(2)] + str(glob) + name[match.end(2):]
+
+
+def full_named_params(model: list, use_main_params: bool = False) -> dict:
+    """{global name: full (TP-gathered) fp32 tensor} for this rank's stage, on CPU."""
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    tp = ps.get_tensor_model_parallel_world_size()
+    out = {}
+    for chunk in model:
+        gpt = _unwrap(chunk)
+        for name, p in gpt.named_parameters():
+            t = p.detach().float()
+            if tp > 1 and getattr(p, "tensor_model_parallel", False):
+                parts = [torch.empty_like(t) for _ in range(tp)]
+                dist.all_gather(parts, t.contiguous(), group=tp_group)
+                t = torch.cat(parts, dim=p.partition_dim)
+            out[global_param_name(chunk, name)] = t.cpu().clone()
+    return out

@@ -1,0 +1,125 @@
+"""Units: the matrices Newton-Schulz works on, as slices of (TP-unsharded) 2-D parameters.
+
+A unit is a set of row blocks (``dim=0``) or column blocks (``dim=1``) of a parameter,
+concatenated in order.  Megatron's fused ``linear_qkv`` interleaves its rows per query
+group as [q_group, k, v] x num_query_groups; its Q, K and V units each gather one block
+per group.  MoE experts stored side by side are one unit each; a SwiGLU ``linear_fc1``
+([gate; up] stacked on rows) may be split into two units.
+
+Pure index maths: nothing here knows about Megatron or torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = [
+    "Unit",
+    "whole_units",
+    "qkv_units",
+    "gate_up_units",
+    "expert_units",
+    "extract_unit",
+    "insert_unit",
+    "unit_flat_indices",
+]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One NS matrix inside a parameter of shape ``param_shape``."""
+
+    param_shape: tuple[int, int]
+    dim: int  # 0: blocks of rows, 1: blocks of columns
+    blocks: tuple[tuple[int, int], ...]  # (start, length) along ``dim``
+    name: str = ""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        length = sum(l for _, l in self.blocks)
+        m, n = self.param_shape
+        return (length, n) if self.dim == 0 else (m, length)
+
+    @property
+    def numel(self) -> int:
+        m, n = self.shape
+        return m * n
+
+
+def _check_2d(shape: Sequence[int]) -> tuple[int, int]:
+    if len(shape) != 2:
+        raise ValueError(f"Muon works on 2-D matrices; got a parameter of shape {tuple(shape)}")
+    return int(shape[0]), int(shape[1])
+
+
+def whole_units(shape: Sequence[int]) -> list[Unit]:
+    m, n = _check_2d(shape)
+    return [Unit((m, n), 0, ((0, m),), "")]
+
+
+def qkv_units(shape: Sequence[int], num_query_groups: int, heads_per_group: int,
+              head_dim: int) -> list[Unit]:
+    """Q, K, V units of Megatron's fused ``linear_qkv`` weight (rows interleaved per group)."""
+    m, n = _check_2d(shape)
+    q = heads_per_group * head_dim
+    per_group = q + 2 * head_dim
+    if per_group * num_query_groups != m:
+        raise ValueError(
+            f"linear_qkv weight has {m} rows, but {num_query_groups} query groups x "
+            f"({heads_per_group} heads x {head_dim} + 2 x {head_dim}) = {per_group * num_query_groups}"
+        )
+    starts = [g * per_group for g in range(num_query_groups)]
+    return [
+        Unit((m, n), 0, tuple((s, q) for s in starts), "q"),
+        Unit((m, n), 0, tuple((s + q, head_dim) for s in starts), "k"),
+        Unit((m, n), 0, tuple((s + q + head_dim, head_dim) for s in starts), "v"),
+    ]
+
+
+def gate_up_units(shape: Sequence[int]) -> list[Unit]:
+    """Gate and up halves of a SwiGLU ``linear_fc1`` weight ([gate; up] on rows)."""
+    m, n = _check_2d(shape)
+    if m % 2:
+        raise ValueError(f"gate/up split needs an even number of rows, got {m}")
+    h = m // 2
+    return [Unit((m, n), 0, ((0, h),), "gate"), Unit((m, n), 0, ((h, h),), "up")]
+
+
+def expert_units(shape: Sequence[int], num_experts: int, dim: int) -> list[Unit]:
+    """One unit per expert for experts stored side by side along ``dim``."""
+    m, n = _check_2d(shape)
+    size = (m, n)[dim]
+    if size % num_experts:
+        raise ValueError(f"dimension {dim} of size {size} does not split into {num_experts} experts")
+    e = size // num_experts
+    return [Unit((m, n), dim, ((i * e, e),), f"expert{i}") for i in range(num_experts)]
+
+
+def _positions(unit: Unit) -> torch.Tensor:
+    return torch.cat([torch.arange(s, s + l) for s, l in unit.blocks])
+
+
+def unit_flat_indices(unit: Unit) -> torch.Tensor:
+    """Flat (row-major) indices into the parameter of every unit element, in unit order."""
+    m, n = unit.param_shape
+    pos = _positions(unit)
+    if unit.dim == 0:
+        return (pos[:, None] * n + torch.arange(n)[None, :]).reshape(-1)
+    return (torch.arange(m)[:, None] * n + pos[None, :]).reshape(-1)
+
+
+def extract_unit(param: torch.Tensor, unit: Unit) -> torch.Tensor:
+    if len(unit.blocks) == 1:
+        s, l = unit.blocks[0]
+        return param.narrow(unit.dim, s, l)
+    return torch.cat([param.narrow(unit.dim, s, l) for s, l in unit.blocks], dim=unit.dim)
+
+
+def insert_unit(param: torch.Tensor, unit: Unit, value: torch.Tensor) -> None:
+    offset = 0
+    for s, l in unit.blocks:
+        param.narrow(unit.dim, s, l).copy_(value.narrow(unit.dim, offset, l))
+        offset += l
