@@ -1,1 +1,27 @@
-from .backends import available_backends, batched_newton_schulz
+"""Fast batched Newton-Schulz: backends (torch batched / looped / Triton) and an autotuner.
+
+``import megatron_muon.kernels`` never imports triton: the Triton kernels are built on
+first use of a triton backend (``triton.jit`` reads ``TRITON_INTERPRET`` at that moment).
+"""
+
+from .backends import (
+    BACKEND_NAMES,
+    TritonConfig,
+    available_backends,
+    batched_newton_schulz,
+    get_backend,
+    torch_batched,
+    torch_loop,
+)
+from .tuner import NSTuner
+
+__all__ = [
+    "batched_newton_schulz",
+    "NSTuner",
+    "available_backends",
+    "get_backend",
+    "torch_batched",
+    "torch_loop",
+    "TritonConfig",
+    "BACKEND_NAMES",
+]

@@ -72,6 +72,8 @@ class TritonConfig:
             if not (w.startswith("w") and s.startswith("s")):
                 raise ValueError
             cfg = TritonConfig(block, block_k, int(w[1:]), int(s[1:]))
+            if cfg.num_warps < 1 or cfg.num_stages < 1:
+                raise ValueError
         except ValueError:
             raise ValueError(
                 f"bad triton config {spec!r}; expected e.g. 'triton:128x64:w8:s3' "
@@ -79,7 +81,7 @@ class TritonConfig:
             ) from None
         for v in (cfg.block, cfg.block_k):
             if v < 16 or v & (v - 1):
-                raise ValueError(f"triton tile sizes must be powers of two >= 16, got {spec!r}")
+                raise ValueError(f"bad triton config {spec!r}: tile sizes must be powers of two >= 16")
         return cfg
 
 
@@ -100,7 +102,7 @@ def torch_loop(x: torch.Tensor, coeffs: Sequence[tuple[float, float, float]], ep
 
 
 def _interpret_env() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")  # as triton parses it
 
 
 def _triton_importable() -> bool:

@@ -18,7 +18,10 @@ the two symmetric products (diagonal tiles are computed in full).
 
 All accumulation is fp32 (``tl.dot``); outputs are rounded to the storage dtype
 exactly where the torch reference rounds (A, B and X are each stored in the compute
-dtype), so bf16 results track ``newton_schulz(..., dtype=torch.bfloat16)``.
+dtype), so bf16 results track ``newton_schulz(..., dtype=torch.bfloat16)``.  One
+exception: for c = 0 (``cubic``) B = b A is not materialised, b is applied in fp32
+inside the update (one rounding fewer than the reference).  Tall inputs are transposed
+once into a contiguous wide copy (fused with the Frobenius normalisation).
 
 Triton is imported guardedly: ``import megatron_muon.kernels`` never imports this
 module (the backend imports it on first use).  ``triton.jit`` reads
@@ -28,7 +31,6 @@ imported; ``INTERPRETED`` records which mode the kernels were built in.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -54,9 +56,6 @@ __all__ = [
     "poly_update",
     "triton_newton_schulz",
 ]
-
-#: True when the kernels below were decorated with TRITON_INTERPRET=1 (run on CPU tensors).
-INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 def default_config(dtype: torch.dtype, interpreted: bool) -> TritonConfig:
@@ -161,6 +160,11 @@ if HAVE_TRITON:
                  out.to(o_ptr.dtype.element_ty), mask=inside)
 
 
+#: True when the kernels above were decorated with TRITON_INTERPRET=1 (they run on CPU
+#: tensors, simulated in numpy); read off the decorated object rather than the environment.
+INTERPRETED: bool = HAVE_TRITON and type(_sym_gram_kernel).__name__ == "InterpretedFunction"
+
+
 def _require_triton() -> None:
     if not HAVE_TRITON:
         raise RuntimeError("the triton NS backend needs the 'triton' package, which is not importable")
@@ -182,7 +186,9 @@ def _upper_tiles(n_tiles: int, device: torch.device) -> tuple[torch.Tensor, torc
 
 
 def _precision(dtype: torch.dtype) -> str:
-    return _fp32_precision() if dtype == torch.float32 else "ieee"
+    """tl.dot's input_precision only matters for fp32 operands; for bf16/fp16 pass triton's
+    default ("tf32", ignored there) so 16-bit dots take the usual tensor-core path."""
+    return _fp32_precision() if dtype == torch.float32 else "tf32"
 
 
 def _upcast(dtype: torch.dtype) -> bool:

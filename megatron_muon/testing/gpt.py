@@ -60,6 +60,7 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int =
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep)
+    torch.manual_seed(seed)  # CPU init (use_cpu_initialization) draws from this generator
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available())
 
 
@@ -118,6 +119,7 @@ def build_gpt(cfg: TinyGPTConfig, *, wrap_ddp: bool = True, ddp_config=None,
                          max_sequence_length=cfg.seq_length, pre_process=pre, post_process=post,
                          share_embeddings_and_output_weights=False,
                          position_embedding_type="rope", **kw)
+        layout_invariant_init(model, cfg)
         if cfg.bf16:
             model = model.to(torch.bfloat16)
         chunks.append(model)
@@ -130,7 +132,73 @@ def build_gpt(cfg: TinyGPTConfig, *, wrap_ddp: bool = True, ddp_config=None,
     for i, model in enumerate(chunks):
         wrapped.append(DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=model,
                                                disable_bucketing=i > 0))
+    wire_ddp_hooks(tcfg, wrapped, ddp_config)
     return wrapped
+
+
+def wire_ddp_hooks(tcfg, model: list, ddp_config) -> None:
+    """What Megatron-LM's training loop sets on the config: grad sync and finalisation."""
+    from megatron.core.distributed import finalize_model_grads
+
+    no_sync = [m.no_sync for m in model]
+    tcfg.no_sync_func = no_sync[0] if len(model) == 1 else no_sync
+    if ddp_config.overlap_grad_reduce:
+        sync = [m.start_grad_sync for m in model]
+        tcfg.grad_sync_func = sync[0] if len(model) == 1 else sync
+    if ddp_config.overlap_param_gather:
+        psync = [m.start_param_sync for m in model]
+        tcfg.param_sync_func = psync[0] if len(model) == 1 else psync
+    tcfg.finalize_model_grads_func = finalize_model_grads
+
+
+def _gated_fc1(name: str, model) -> bool:
+    return name.endswith("linear_fc1.weight") and bool(_unwrap(model).config.gated_linear_unit)
+
+
+def _to_tp_order(name, model, full: torch.Tensor, tp: int) -> torch.Tensor:
+    """TP1 layout -> concatenation of TP shards (differs only for a gated fc1: [g;u] -> [g_t;u_t]...)."""
+    if tp == 1 or not _gated_fc1(name, model):
+        return full
+    g, u = full.chunk(2, dim=0)
+    return torch.cat([torch.cat([gt, ut]) for gt, ut in zip(g.chunk(tp), u.chunk(tp))])
+
+
+def _from_tp_order(name, model, cat: torch.Tensor, tp: int) -> torch.Tensor:
+    if tp == 1 or not _gated_fc1(name, model):
+        return cat
+    parts = [p.chunk(2, dim=0) for p in cat.chunk(tp)]
+    return torch.cat([torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])])
+
+
+@torch.no_grad()
+def layout_invariant_init(model, cfg: TinyGPTConfig) -> None:
+    """Re-initialise every parameter from a generator seeded by its *global* name.
+
+    Megatron's CPU initialisation draws layers in order, so a pipeline stage that starts at
+    layer 2 gets other weights than a single-stage model; seeding per global name makes
+    the initial model identical for every TP/PP layout.
+    """
+    import zlib
+
+    from megatron.core import parallel_state as ps
+
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    for name, p in model.named_parameters():
+        gname = global_param_name(model, name)
+        shape = list(p.shape)
+        dim = int(p.partition_dim) if getattr(p, "tensor_model_parallel", False) else None
+        if dim is not None:
+            shape[dim] *= tp
+        gen = torch.Generator().manual_seed(cfg.seed * 7919 + zlib.crc32(gname.encode()))
+        if name.endswith("bias"):
+            full = torch.zeros(shape)
+        elif p.ndim == 1:
+            full = torch.ones(shape)
+        else:
+            full = torch.randn(shape, generator=gen) * 0.02
+        if dim is not None:
+            full = _to_tp_order(name, model, full, tp).chunk(tp, dim=dim)[tp_rank]
+        p.copy_(full.to(p.dtype))
 
 
 def global_batch(cfg: TinyGPTConfig, step: int, index: int) -> dict:
@@ -233,6 +301,6 @@ def full_named_params(model: list, use_main_params: bool = False) -> dict:
             if tp > 1 and getattr(p, "tensor_model_parallel", False):
                 parts = [torch.empty_like(t) for _ in range(tp)]
                 dist.all_gather(parts, t.contiguous(), group=tp_group)
-                t = torch.cat(parts, dim=p.partition_dim)
+                t = _from_tp_order(name, chunk, torch.cat(parts, dim=p.partition_dim), tp)
             out[global_param_name(chunk, name)] = t.cpu().clone()
     return out

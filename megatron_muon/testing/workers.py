@@ -10,20 +10,27 @@ import torch.distributed as dist
 
 from .gpt import TinyGPTConfig, build_gpt, full_named_params, init_parallel, layout_ranks, train_step
 
-__all__ = ["train_megatron", "make_optimizer_config"]
+__all__ = ["train_megatron", "make_optimizer_config", "constant_scheduler"]
+
+
+def constant_scheduler(optimizer, ocfg):
+    """Megatron's OptimizerParamScheduler at a constant lr (applies lr_mult / wd_mult)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(optimizer, init_lr=ocfg.lr, max_lr=ocfg.lr, min_lr=ocfg.lr,
+                                   lr_warmup_steps=0, lr_decay_steps=10**6,
+                                   lr_decay_style="constant", start_wd=ocfg.weight_decay,
+                                   end_wd=ocfg.weight_decay, wd_incr_steps=10**6,
+                                   wd_incr_style="constant")
 
 
 def make_optimizer_config(optimizer: str, **overrides):
-    """An OptimizerConfig (adam/sgd) or DMuonOptimizerConfig (dmuon/muon_naive)."""
-    from megatron.core.optimizer import OptimizerConfig
+    """A DMuonOptimizerConfig; with optimizer='adam'/'sgd' it is plain Megatron."""
+    from megatron_muon.megatron.config import DMuonOptimizerConfig
 
     base = dict(lr=1e-3, min_lr=1e-3, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95,
                 adam_eps=1e-8, clip_grad=0.0, use_distributed_optimizer=True, bf16=False)
     base.update(overrides)
-    if optimizer in ("adam", "sgd"):
-        return OptimizerConfig(optimizer=optimizer, **base)
-    from megatron_muon.megatron.config import DMuonOptimizerConfig
-
     return DMuonOptimizerConfig(optimizer=optimizer, **base)
 
 
@@ -44,6 +51,7 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
     model = build_gpt(gcfg, ddp_config=DistributedDataParallelConfig(**ddp_kwargs))
     ocfg = make_optimizer_config(optimizer, bf16=gcfg.bf16, **(opt or {}))
     optim = get_megatron_optimizer(ocfg, model)
+    sched = constant_scheduler(optim, ocfg)
     lr = layout_ranks()
     losses, norms = [], []
     start = 0
@@ -52,6 +60,7 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
 
         start = load_checkpoint(checkpoint["load"], model, optim)
     for step in range(start, steps):
+        sched.step(1)
         out = train_step(model, optim, gcfg, step, lr["dp"], lr["dp_size"])
         losses.append(out.get("loss"))
         norms.append(out.get("grad_norm"))
@@ -62,7 +71,7 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
     result = dict(layout=lr, losses=losses, grad_norms=norms, rank=dist.get_rank())
     if return_params:
         result["params"] = full_named_params(model)
-    stats = getattr(optim, "dmuon_stats", None)
-    if callable(stats):
-        result["dmuon_stats"] = stats()
+    for sub in getattr(optim, "chained_optimizers", [optim]):
+        if hasattr(sub, "dmuon_stats"):
+            result["dmuon_stats"] = sub.dmuon_stats()
     return result

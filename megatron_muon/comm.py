@@ -1,0 +1,66 @@
+"""Communication: how DMuon's bytes move.  One all-to-all per exchange, on gloo and NCCL.
+
+Knows nothing of Megatron; the caller supplies flat buffers, split sizes and the group.
+``CommStats`` counts what crossed the wire so tests can assert traffic bounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CommStats", "all_to_all_flat"]
+
+
+@dataclass
+class CommStats:
+    """Bytes this rank sent to / received from *other* ranks, and collective calls made."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    calls: int = 0
+    by_kind: dict = field(default_factory=dict)
+
+    def add(self, kind: str, sent: int, received: int) -> None:
+        self.bytes_sent += sent
+        self.bytes_received += received
+        self.calls += 1
+        k = self.by_kind.setdefault(kind, [0, 0, 0])
+        k[0] += sent
+        k[1] += received
+        k[2] += 1
+
+    def reset(self) -> None:
+        self.bytes_sent = self.bytes_received = self.calls = 0
+        self.by_kind = {}
+
+    def as_dict(self) -> dict:
+        return dict(bytes_sent=self.bytes_sent, bytes_received=self.bytes_received,
+                    calls=self.calls, by_kind={k: list(v) for k, v in self.by_kind.items()})
+
+
+def all_to_all_flat(send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
+                    group: Optional[dist.ProcessGroup], stats: Optional[CommStats] = None,
+                    kind: str = "all_to_all", async_op: bool = False):
+    """Exchange a flat buffer: ``send[sum(send_counts[:j]) : ...]`` goes to group rank j.
+
+    Returns ``(recv, work)``; ``work`` is None unless ``async_op``.  A group of one rank (or
+    no group) is a local copy.  Byte counts exclude the part a rank keeps for itself.
+    """
+    world = dist.get_world_size(group) if group is not None else 1
+    recv = torch.empty(int(sum(recv_counts)), dtype=send.dtype, device=send.device)
+    if world == 1:
+        recv.copy_(send)
+        return recv, None
+    me = dist.get_rank(group)
+    if stats is not None:
+        el = send.element_size()
+        stats.add(kind, (int(sum(send_counts)) - int(send_counts[me])) * el,
+                  (int(sum(recv_counts)) - int(recv_counts[me])) * el)
+    work = dist.all_to_all_single(recv, send, output_split_sizes=list(map(int, recv_counts)),
+                                  input_split_sizes=list(map(int, send_counts)), group=group,
+                                  async_op=async_op)
+    return recv, (work if async_op else None)

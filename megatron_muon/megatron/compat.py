@@ -1,0 +1,116 @@
+"""Everything that differs between Megatron-Core 0.16.x and 0.19.x lives here."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Optional
+
+import torch
+from packaging.version import Version
+
+import megatron.core
+import megatron.core.optimizer as mcore_optimizer
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+__all__ = ["MCORE_VERSION", "device", "ns_function", "get_param_groups",
+           "build_distributed_optimizer", "check_supported"]
+
+MCORE_VERSION = Version(getattr(megatron.core, "__version__", "0.0.0"))
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+def ns_function(cfg) -> Callable:
+    """The batched NS implementation DMuon's owners call (kernels when available)."""
+    from ..newton_schulz import newton_schulz
+
+    backend = getattr(cfg, "dmuon_ns_backend", "auto")
+    try:
+        from ..kernels import batched_newton_schulz
+    except ImportError:
+        if backend == "triton":
+            raise ValueError("dmuon_ns_backend='triton' needs megatron_muon.kernels and triton")
+        return newton_schulz
+    if backend == "torch":
+        return newton_schulz
+    tuner = None
+    if backend == "auto" and getattr(cfg, "dmuon_plan_cost", "flops") == "tuner":
+        from ..kernels import NSTuner
+
+        tuner = NSTuner(cache_path=cfg.dmuon_tuner_cache)
+
+    def fn(x, steps, coefficients, eps, dtype):
+        return batched_newton_schulz(x, steps=steps, coefficients=coefficients, eps=eps,
+                                     dtype=dtype, backend=backend if backend != "torch" else "torch",
+                                     tuner=tuner)
+
+    return fn
+
+
+def get_param_groups(model_chunks, config, config_overrides=None):
+    """Megatron's own parameter groups (lr/wd multipliers, no-decay for biases and norms)."""
+    if config_overrides is None and hasattr(mcore_optimizer, "get_standard_config_overrides"):
+        config_overrides = mcore_optimizer.get_standard_config_overrides(config)
+    return mcore_optimizer._get_param_groups(model_chunks, config, config_overrides)
+
+
+@contextmanager
+def _distributed_optimizer_class(cls):
+    """Let Megatron's own construction code build ``cls`` instead of DistributedOptimizer."""
+    saved = mcore_optimizer.DistributedOptimizer
+    mcore_optimizer.DistributedOptimizer = cls
+    try:
+        yield
+    finally:
+        mcore_optimizer.DistributedOptimizer = saved
+
+
+def build_distributed_optimizer(config, model_chunks, param_groups, cls, use_gloo: bool = True,
+                                pg_collection: Optional[ProcessGroupCollection] = None):
+    """Build a DistributedOptimizer subclass over ``param_groups`` exactly as Megatron would.
+
+    Megatron's ``_get_megatron_optimizer_based_on_param_groups`` picks the Adam
+    implementation (TE / apex / torch), the grad scaler and the process groups; we only
+    substitute the class.
+    """
+    groups = ProcessGroupCollection.setup_process_groups_for_optimizer(
+        pg_collection, model_chunks, use_gloo)
+    dp_cp, intra = groups["dp_cp_group"], groups["intra_dp_cp_group"]
+    if dp_cp.size() > intra.size():
+        raise ValueError("optimizer='dmuon' does not support num_distributed_optimizer_instances > 1")
+    buffers = {i: chunk.buffers for i, chunk in enumerate(model_chunks) if hasattr(chunk, "buffers")}
+    with _distributed_optimizer_class(cls):
+        return mcore_optimizer._get_megatron_optimizer_based_on_param_groups(
+            config=config, model_chunks=model_chunks, param_groups=param_groups,
+            per_model_buffers=buffers, model_parallel_group=groups["mp_group"],
+            data_parallel_group=intra, data_parallel_group_gloo=groups["intra_dp_cp_group_gloo"],
+            data_parallel_group_idx=groups["mp_group"].rank(),
+            intra_dist_opt_group=groups["intra_dist_opt_group"],
+            distributed_optimizer_instance_id=0, pg_collection=pg_collection)
+
+
+def check_supported(config, model_chunks) -> None:
+    """Clear errors for layouts DMuon does not handle (instead of a hang or a wrong result)."""
+    from megatron.core import parallel_state
+
+    if not getattr(config, "use_distributed_optimizer", False):
+        raise ValueError(f"optimizer={config.optimizer!r} needs use_distributed_optimizer=True")
+    for chunk in model_chunks:
+        ddp = getattr(chunk, "ddp_config", None)
+        if ddp is None:
+            raise ValueError(f"optimizer={config.optimizer!r} needs model chunks wrapped in "
+                             "megatron.core.distributed.DistributedDataParallel")
+        if not ddp.use_distributed_optimizer:
+            raise ValueError("DistributedDataParallelConfig.use_distributed_optimizer must be True "
+                             f"for optimizer={config.optimizer!r}")
+        if getattr(ddp, "use_megatron_fsdp", False) or getattr(ddp, "use_custom_fsdp", False):
+            raise ValueError(f"optimizer={config.optimizer!r} does not run on Megatron-FSDP yet; "
+                             "use the distributed optimizer (ZeRO-1) with Megatron DDP")
+        if type(chunk).__name__ in ("FullyShardedDataParallel", "FSDPModule"):
+            raise ValueError(f"optimizer={config.optimizer!r} does not support torch FSDP2; "
+                             "wrap the model in Megatron DDP with use_distributed_optimizer=True")
+    if parallel_state.get_context_parallel_world_size() > 1:
+        raise ValueError(f"optimizer={config.optimizer!r} does not support context parallelism yet")

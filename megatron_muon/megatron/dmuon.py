@@ -1,0 +1,317 @@
+"""DMuon: Megatron-Core's ``DistributedOptimizer`` with an owner-centric Muon step.
+
+The ZeRO-1 machinery is Megatron's own: fp32 main-param shards per DP rank, grad
+reduce-scatter, clipping, found-inf, param all-gather, checkpoints.  Only the inner step
+changes: each rank updates the momentum of its shard (element-wise, so state stays
+sharded exactly like Adam's ``exp_avg``), the owner-centric executor gathers every unit on
+one owner in the stage's DP x TP group, orthogonalises it there and sends the pieces
+back, and each rank applies ``W <- W (1 - lr wd) - lr * scale * O`` to its shard.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.optimizer import ChainedOptimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
+
+from ..owner_centric import OwnerCentricNS, Piece, ShardedMatrix
+from ..plan import UnitTask, flops_cost, plan_owners
+from . import compat
+from .params import full_shape, is_muon_matrix, muon_units, tp_partition_dim
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DMuonDistributedOptimizer", "SubsetDistributedOptimizer", "build_dmuon_optimizer",
+           "ShardedMuonStep"]
+
+
+class _SubsetMixin:
+    """A DistributedOptimizer that manages only the parameters of its inner optimizer.
+
+    Megatron's buffers hold every parameter of a model chunk; two distributed optimizers
+    (DMuon for the matrices, AdamW for the rest) share them, each keeping its own subset
+    of every bucket's ``param_map``.
+    """
+
+    def _init_subset(self, optimizer) -> None:
+        self._managed = {p for g in optimizer.param_groups for p in g["params"]}
+
+    def _build_gbuf_range_map(self, param_and_grad_buffer):
+        ranges = super()._build_gbuf_range_map(param_and_grad_buffer)
+        for bucket_maps in ranges.values():
+            for m in bucket_maps:
+                m["param_map"] = {p: r for p, r in m["param_map"].items() if p in self._managed}
+        return ranges
+
+
+class SubsetDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
+    """Megatron's AdamW distributed optimizer restricted to the non-Muon parameters."""
+
+    def __init__(self, optimizer, *args, **kwargs):
+        self._init_subset(optimizer)
+        super().__init__(optimizer, *args, **kwargs)
+
+
+class ShardedMuonStep(torch.optim.Optimizer):
+    """Inner optimizer of DMuon: momentum on the shards, NS on the owners, update on the shards."""
+
+    def __init__(self, param_groups, engine_factory, *, momentum: float, nesterov: bool,
+                 check_finite: bool):
+        # The shard main params are views (non-leaf for fp32 models), which torch's
+        # add_param_group refuses; Megatron installs its groups the same direct way.
+        super().__init__([torch.zeros(1, requires_grad=True)], dict(lr=0.0, weight_decay=0.0))
+        self.param_groups = list(param_groups)
+        self.momentum, self.nesterov, self.check_finite = momentum, nesterov, check_finite
+        self.offsets: dict[torch.Tensor, int] = {}
+        off = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.offsets[p] = off
+                off += p.numel()
+        self.numel = off
+        self.engine: OwnerCentricNS = engine_factory(self.offsets)
+        for group in self.param_groups:
+            group.setdefault("step", 0)
+
+    def init_state(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                if "momentum_buffer" not in st:
+                    st["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.init_state()
+        flat = torch.zeros(self.numel, dtype=torch.float32, device=self.engine.device)
+        mu = self.momentum
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                buf = st["momentum_buffer"]
+                buf.mul_(mu).add_(g)
+                u = g.add(buf, alpha=mu) if self.nesterov else buf
+                flat[self.offsets[p]: self.offsets[p] + p.numel()].copy_(u.view(-1))
+                st["step"] += 1
+            group["step"] += 1
+        if self.check_finite and not bool(torch.isfinite(flat).all()):
+            raise FloatingPointError(
+                "DMuon: non-finite (NaN/Inf) Muon gradient or momentum; with fp16 use a loss "
+                "scaler, otherwise check the data and the learning rate")
+        out = self.engine.run(flat)
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                o = out[self.offsets[p]: self.offsets[p] + p.numel()].view_as(p)
+                p.mul_(1.0 - lr * wd).add_(o, alpha=-lr)
+
+
+class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
+    """``DistributedOptimizer`` whose inner step is owner-centric Muon (``optimizer='dmuon'``).
+
+    Built by ``build_dmuon_optimizer``; ``replicate=True`` gives the ``'muon_naive'``
+    baseline (every rank gathers and orthogonalises every matrix).
+    """
+
+    publish_params = True  # False when a later optimizer in the chain all-gathers params
+
+    def __init__(self, optimizer, config, grad_scaler, init_state_fn, model_chunks,
+                 per_model_buffers, data_parallel_group, *args, muon_config=None,
+                 replicate: bool = False, **kwargs):
+        self._init_subset(optimizer)
+        super().__init__(optimizer, config, grad_scaler, init_state_fn, model_chunks,
+                         per_model_buffers, data_parallel_group, *args, **kwargs)
+        self.muon_config = muon_config
+        self.replicate = replicate
+        if self.is_stub_optimizer:
+            return
+        groups = self.optimizer.param_groups
+        self.optimizer = ShardedMuonStep(
+            groups, self._build_engine, momentum=muon_config.muon_momentum,
+            nesterov=muon_config.muon_nesterov, check_finite=muon_config.dmuon_check_finite)
+        self.init_state_fn = lambda opt, config=None: opt.init_state()
+
+    # -- geometry ---------------------------------------------------------------------
+    def _build_engine(self, offsets: dict) -> OwnerCentricNS:
+        cfg = self.muon_config
+        group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=False)
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        model_config = self.model_chunks[0].config
+
+        # Every Muon matrix of this stage, in an order all ranks agree on.
+        names = {}
+        for ci, chunk in enumerate(self.model_chunks):
+            for name, p in chunk.named_parameters():
+                names[p] = (ci, name)
+        muon_params = [p for p in names if p in self._managed]
+        muon_params.sort(key=lambda p: names[p])
+        bucket_of = {}
+        for bi, buffer in enumerate(self.buffers):
+            for p, (_, _, bucket_id) in buffer.param_index_map.items():
+                bucket_of[p] = bi * 100_000 + bucket_id
+
+        mine = []
+        for p in muon_params:
+            if p not in self.model_param_gbuf_map:
+                continue
+            r = self._get_model_param_range_map(p)["param"]
+            gi, go = self.model_param_group_index_map[p]
+            main = self.optimizer.param_groups[gi]["params"][go] if hasattr(
+                self.optimizer, "param_groups") else None
+            mine.append((f"{names[p][0]}:{names[p][1]}", r.start, r.end, offsets[main]))
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (tp_rank, [f"{names[p][0]}:{names[p][1]}"
+                                                    for p in muon_params], mine), group=group)
+        keys = gathered[0][1]
+        for g in gathered[1:]:
+            if g[1] != keys:
+                raise RuntimeError("DMuon: ranks of one pipeline stage disagree on the Muon "
+                                   "parameters; every DP x TP rank must build the same model")
+        pieces = {k: [] for k in keys}
+        for grank, (trank, _, held) in enumerate(gathered):
+            for key, start, end, local_offset in held:
+                pieces[key].append((grank, trank, start, end, local_offset))
+        matrices = []
+        for p in muon_params:
+            key = f"{names[p][0]}:{names[p][1]}"
+            dim = tp_partition_dim(p)
+            shape = full_shape(p, tp_size)
+            units = muon_units(names[p][1], shape, model_config, split_qkv=cfg.muon_split_qkv,
+                               split_fc1=cfg.dmuon_split_fc1, tp_size=tp_size)
+            ps = tuple(Piece(rank=g, tp_rank=t, start=s, end=e, local_offset=o,
+                             source=dim is not None or t == 0)
+                       for g, t, s, e, o in sorted(pieces[key]))
+            matrices.append(ShardedMatrix(key=key, shape=shape, units=tuple(units), tp_dim=dim,
+                                          tp_size=tp_size, pieces=ps, bucket=bucket_of[p]))
+        cost = self._unit_cost()
+        tasks = [UnitTask(m.unit_key(i), u.shape, cost(u.shape), 4 * u.numel)
+                 for m in matrices for i, u in enumerate(m.units)]
+        plan = plan_owners(tasks, dist.get_world_size(group))
+        digests = [None] * dist.get_world_size(group)
+        dist.all_gather_object(digests, plan.digest, group=group)
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"DMuon: owner plans differ across ranks ({digests}); the plan "
+                               "must be deterministic (same model, same tuner cache on all ranks)")
+        self.plan = plan
+        if cfg.dmuon_log_plan and dist.get_rank() == 0:
+            logger.info("DMuon %s\n%s", "naive (replicated)" if self.replicate else "",
+                        plan.summary())
+        ns_dtype = torch.bfloat16 if cfg.muon_fp32_matmul_prec == "medium" else torch.float32
+        device = compat.device()
+        return OwnerCentricNS(
+            matrices, plan, group, ns_steps=cfg.muon_num_ns_steps,
+            coefficients=cfg.muon_coefficient_type, scale_mode=cfg.muon_scale_mode,
+            extra_scale_factor=cfg.muon_extra_scale_factor, ns_dtype=ns_dtype, device=device,
+            replicate=self.replicate, ns_fn=compat.ns_function(cfg),
+            local_numel=sum(p.numel() for p in offsets))
+
+    def _unit_cost(self):
+        cfg = self.muon_config
+        if cfg.dmuon_plan_cost == "tuner":
+            from ..kernels import NSTuner
+
+            tuner = NSTuner(cache_path=cfg.dmuon_tuner_cache)
+            dtype = torch.bfloat16 if cfg.muon_fp32_matmul_prec == "medium" else torch.float32
+            dev = compat.device()
+            return lambda shape: tuner.time(shape[0], shape[1], 1, dtype, dev)
+        return flops_cost(cfg.muon_num_ns_steps)
+
+    # -- Megatron hooks ---------------------------------------------------------------
+    @property
+    def optimizer_state_keys(self):
+        return ("momentum_buffer",)
+
+    def _get_state_key_dtype(self, key):
+        return torch.float32
+
+    def load_state_dict(self, state_dict):
+        # Allocate our state first so Megatron takes its "state exists" path rather than
+        # allocating Adam's exp_avg / exp_avg_sq.
+        if not self.is_stub_optimizer:
+            self.optimizer.init_state()
+        super().load_state_dict(state_dict)
+
+    def step_with_ready_grads(self) -> bool:
+        if self.publish_params:
+            return super().step_with_ready_grads()
+        # The AdamW optimizer after us in the chain all-gathers the (shared) param buffers.
+        return MixedPrecisionOptimizer.step_with_ready_grads(self)
+
+    def dmuon_stats(self) -> dict:
+        if self.is_stub_optimizer:
+            return {}
+        eng = self.optimizer.engine
+        state_bytes = sum(st["momentum_buffer"].numel() * 4 for st in self.optimizer.state.values()
+                          if "momentum_buffer" in st)
+        return dict(comm=eng.stats.as_dict(), plan_imbalance=self.plan.imbalance,
+                    plan_digest=self.plan.digest, owned_numel=eng.owned_numel,
+                    shard_numel=self.optimizer.numel, state_bytes=state_bytes,
+                    index_bytes=eng.index_bytes(),
+                    muon_numel=sum(m.shape[0] * m.shape[1] for m in eng.matrices))
+
+
+# ---------------------------------------------------------------------- factory
+def _split_groups(param_groups, is_muon):
+    muon, adam = [], []
+    for g in param_groups:
+        muon.append({**g, "params": [p for p in g["params"] if is_muon(p)]})
+        adam.append({**g, "params": [p for p in g["params"] if not is_muon(p)]})
+    return muon, adam
+
+
+def build_dmuon_optimizer(config, model_chunks, config_overrides=None,
+                          use_gloo_process_groups: bool = True, pg_collection=None,
+                          dump_param_to_param_group_map=None):
+    """``ChainedOptimizer([DMuon for hidden matrices, AdamW DistributedOptimizer for the rest])``."""
+    from .config import DMuonOptimizerConfig
+
+    if not isinstance(config, DMuonOptimizerConfig):
+        raise ValueError(f"optimizer={config.optimizer!r} needs a megatron_muon.DMuonOptimizerConfig")
+    compat.check_supported(config, model_chunks)
+    names = {}
+    for chunk in model_chunks:
+        for name, p in chunk.named_parameters():
+            names[p] = name
+    muon_set = {p for p, n in names.items()
+                if p.requires_grad and is_muon_matrix(n, p, config.dmuon_adam_params)}
+    if dist.get_rank() == 0:
+        logger.info("%s: Muon takes %d matrices: %s", config.optimizer, len(muon_set),
+                    ", ".join(sorted({names[p] for p in muon_set}))[:2000])
+        logger.info("%s: AdamW takes %s", config.optimizer,
+                    ", ".join(sorted({n for p, n in names.items() if p not in muon_set}))[:2000])
+
+    adam_config = copy.copy(config)
+    adam_config.optimizer = "adam"
+    param_groups = compat.get_param_groups(model_chunks, adam_config, config_overrides)
+    for g in param_groups:
+        if g.get("is_expert_parallel") and any(p in muon_set for p in g["params"]):
+            raise ValueError("optimizer='dmuon' does not support MoE expert matrices yet "
+                             "(expert-parallel planning is not implemented); use 'adam'")
+    dense = [g for g in param_groups if not g.get("is_expert_parallel")]
+    if len(dense) != len(param_groups):
+        raise ValueError("optimizer='dmuon' does not support expert-parallel parameters yet")
+    muon_groups, adam_groups = _split_groups(dense, lambda p: p in muon_set)
+    replicate = config.optimizer == "muon_naive"
+
+    def dmuon_cls(*args, **kwargs):
+        return DMuonDistributedOptimizer(*args, muon_config=config, replicate=replicate, **kwargs)
+
+    optimizers = []
+    for groups, cls in ((muon_groups, dmuon_cls), (adam_groups, SubsetDistributedOptimizer)):
+        opt = compat.build_distributed_optimizer(adam_config, model_chunks, groups, cls,
+                                                 use_gloo_process_groups, pg_collection)
+        opt.config = config  # ChainedOptimizer wants one shared config
+        optimizers.append(opt)
+    optimizers[0].publish_params = False  # the AdamW optimizer after it gathers params
+    return ChainedOptimizer(optimizers)

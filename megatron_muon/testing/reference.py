@@ -1,0 +1,61 @@
+"""Single-process reference training: the oracle for every distributed optimizer test.
+
+The same tiny GPT (TP = PP = 1, no DDP) sees the whole global batch of every step and is
+updated by ``megatron_muon.Muon`` on the hidden matrices (units as DMuon splits them) and
+``torch.optim.AdamW`` on the rest (no weight decay on biases and 1-D tensors, as Megatron's
+standard parameter groups), with the same global-norm clipping as Megatron.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..megatron.params import is_muon_matrix, muon_units
+from ..muon import Muon
+from .gpt import TinyGPTConfig, build_gpt, full_named_params, init_parallel, train_step
+
+__all__ = ["reference_train"]
+
+
+def reference_train(cfg: dict, dp_size: int, steps: int = 3, opt: Optional[dict] = None,
+                    muon: bool = True, grad_hook_inf_step: Optional[int] = None) -> dict:
+    from .workers import make_optimizer_config
+
+    gcfg = TinyGPTConfig(**cfg)
+    init_parallel(1, 1, seed=gcfg.seed)
+    model = build_gpt(gcfg, wrap_ddp=False)
+    o = make_optimizer_config("dmuon", **(opt or {}))
+    named = dict(model[0].named_parameters())
+    muon_params = {n: p for n, p in named.items() if muon and is_muon_matrix(n, p, o.dmuon_adam_params)}
+    rest = {n: p for n, p in named.items() if n not in muon_params}
+    no_wd = [p for n, p in rest.items() if p.ndim == 1 or n.endswith(".bias")]
+    wd = [p for n, p in rest.items() if not (p.ndim == 1 or n.endswith(".bias"))]
+    adam = torch.optim.AdamW([{"params": wd, "weight_decay": o.weight_decay},
+                              {"params": no_wd, "weight_decay": 0.0}], lr=o.lr,
+                             betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+    opts = [adam]
+    if muon_params:
+        units = {p: muon_units(n, tuple(p.shape), model[0].config, split_qkv=o.muon_split_qkv,
+                               split_fc1=o.dmuon_split_fc1, tp_size=1)
+                 for n, p in muon_params.items()}
+        opts.append(Muon(list(muon_params.values()), lr=o.lr, momentum=o.muon_momentum,
+                         nesterov=o.muon_nesterov, weight_decay=o.weight_decay,
+                         ns_steps=o.muon_num_ns_steps, coefficient_type=o.muon_coefficient_type,
+                         scale_mode=o.muon_scale_mode, extra_scale_factor=o.muon_extra_scale_factor,
+                         units=units,
+                         ns_dtype=torch.bfloat16 if o.muon_fp32_matmul_prec == "medium" else None))
+    losses = []
+    m = gcfg.num_microbatches * dp_size
+    for step in range(steps):
+        for p in named.values():
+            p.grad = None
+        out = train_step(model, None, gcfg, step, 0, 1, num_microbatches=m)
+        losses.append(out.get("loss"))
+        params = [p for p in named.values() if p.grad is not None]
+        if o.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(params, o.clip_grad)
+        for opt_ in opts:
+            opt_.step()
+    return dict(losses=losses, params=full_named_params(model))

@@ -1,0 +1,272 @@
+"""Batched NS backends: agreement with the reference, coefficient behaviour, errors, Triton.
+
+Tolerances: on CPU the batched and looped torch paths run the same kernels and agree
+bit for bit; the bounds below (fp32 1e-5, bf16 2e-2 relative Frobenius) leave room for
+GPU kernels that sum in another order (bf16 runs of two backends differ by ~1e-2 there,
+the same size as bf16-vs-fp32 differences measured on CPU: 0.4-2.5%).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_muon.kernels import available_backends, batched_newton_schulz, get_backend
+from megatron_muon.kernels.backends import torch_batched, torch_loop
+from megatron_muon.newton_schulz import COEFFICIENT_SETS, newton_schulz, resolve_coefficients
+
+REPO = Path(__file__).resolve().parents[1]
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+# (batch or None for a plain matrix, m, n): wide, tall, square, batch 1 and 3, odd sizes
+SHAPES = [(None, 24, 56), (None, 56, 24), (1, 32, 64), (3, 64, 32), (3, 48, 48), (1, 40, 72), (3, 20, 36)]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _input(batch, m, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (m, n) if batch is None else (batch, m, n)
+    return torch.randn(*shape, generator=g)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_batched_equals_looped_equals_reference(shape, dtype, tol):
+    x = _input(*shape)
+    ref = newton_schulz(x, steps=5, coefficients="quintic", dtype=dtype)
+    batched = batched_newton_schulz(x, steps=5, coefficients="quintic", dtype=dtype, backend="torch_batched")
+    looped = batched_newton_schulz(x, steps=5, coefficients="quintic", dtype=dtype, backend="torch_loop")
+    auto = batched_newton_schulz(x, steps=5, coefficients="quintic", dtype=dtype)
+    for out in (batched, looped, auto):
+        assert out.shape == x.shape and out.dtype == x.dtype
+        assert _rel(out, ref) < tol
+    # the looped path really is per matrix: each slice equals NS of that matrix alone
+    if x.ndim == 3:
+        for i in range(x.shape[0]):
+            assert _rel(looped[i], newton_schulz(x[i], 5, "quintic", dtype=dtype)) < tol
+
+
+@pytest.mark.timeout(30)
+def test_backend_signature_and_tall_transpose():
+    """Backends share fn(x[b,m,n], coeffs, eps, dtype); a tall input equals NS of its
+    transpose, transposed back (the reference's tall handling)."""
+    x = _input(2, 40, 16)
+    coeffs = resolve_coefficients("simple", 3)
+    for fn in (torch_batched, torch_loop):
+        out = fn(x, coeffs, 1e-7, torch.float32)
+        via_t = fn(x.transpose(1, 2).contiguous(), coeffs, 1e-7, torch.float32).transpose(1, 2)
+        assert out.shape == (2, 40, 16)
+        assert _rel(out, via_t) < 1e-6
+
+
+@pytest.mark.timeout(30)
+def test_explicit_coefficient_list_and_bf16_input():
+    x = _input(2, 16, 24).bfloat16()
+    out = batched_newton_schulz(x, steps=2, coefficients=[(3.0, -3.2, 1.2)], dtype=torch.float32)
+    ref = newton_schulz(x, steps=2, coefficients=[(3.0, -3.2, 1.2)], dtype=torch.float32)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, ref)
+
+
+# ---------------------------------------------------------------- coefficient behaviour
+def _well_conditioned_inputs() -> dict[str, torch.Tensor]:
+    """Inputs whose singular values (after NS's Frobenius normalisation) lie in roughly
+    [0.06, 0.19]: Gaussian 64x256 and its tall twin (condition ~3), and an explicit
+    U diag(logspace(1, 0.1)) V^T 64x128 (condition 10)."""
+    g = torch.Generator().manual_seed(0)
+    U, _ = torch.linalg.qr(torch.randn(2, 64, 64, generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(2, 128, 64, generator=g, dtype=torch.float64))
+    S = torch.logspace(0, -1, 64, dtype=torch.float64)
+    return {
+        "gauss_wide": torch.randn(2, 64, 256, generator=g),
+        "gauss_tall": torch.randn(2, 256, 64, generator=g),
+        "cond10": ((U * S) @ V.transpose(1, 2)).float(),
+    }
+
+
+# Bands measured on the inputs above (fp32 / bf16, min..max over all singular values):
+#   simple k=5         0.682..1.134 / 0.679..1.136   -> (0.65, 1.20)
+#   quintic k=5        0.978..1.032 / 0.975..1.034   -> (0.95, 1.06)
+#   polar_express k=5  0.870..1.124 / 0.868..1.125   -> (0.84, 1.15)
+#   polar_express k=8  |s-1| 1e-6   / 4.6e-3         -> 1e-3 / 1e-2
+#   cubic k=30         |s-1| 1e-7   / 1.6e-3         -> 1e-4 / 5e-3
+# A wrong table shows: e.g. 'simple' used for 'quintic' gives 0.68..1.13 (fails 0.95),
+# 'quintic' repeated for polar_express's last steps leaves |s-1| ~3e-2 (fails 1e-3).
+BANDS = [
+    ("simple", 5, (0.65, 1.20), (0.65, 1.20)),
+    ("quintic", 5, (0.95, 1.06), (0.95, 1.06)),
+    ("polar_express", 5, (0.84, 1.15), (0.84, 1.15)),
+    ("polar_express", 8, (1 - 1e-3, 1 + 1e-3), (1 - 1e-2, 1 + 1e-2)),
+    ("cubic", 30, (1 - 1e-4, 1 + 1e-4), (1 - 5e-3, 1 + 5e-3)),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name,steps,band32,band16", BANDS)
+def test_coefficient_sets_singular_value_bands(name, steps, band32, band16, dtype):
+    assert name in COEFFICIENT_SETS
+    lo, hi = band32 if dtype == torch.float32 else band16
+    for label, x in _well_conditioned_inputs().items():
+        out = batched_newton_schulz(x, steps=steps, coefficients=name, dtype=dtype)
+        sv = torch.linalg.svdvals(out.double())
+        assert lo < sv.min().item() and sv.max().item() < hi, (label, sv.min().item(), sv.max().item())
+
+
+@pytest.mark.timeout(30)
+def test_cubic_converges_to_svd_polar_factor():
+    """Classic NS (1.5, -0.5, 0) converges to U V^T: within 1e-4 after 30 fp32 steps
+    (measured 2e-7), even for an ill-conditioned square input (condition 1e3)."""
+    g = torch.Generator().manual_seed(1)
+    U, _ = torch.linalg.qr(torch.randn(48, 48, generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(48, 48, generator=g, dtype=torch.float64))
+    ill = ((U * torch.logspace(0, -3, 48, dtype=torch.float64)) @ V.T).float()
+    for x in list(_well_conditioned_inputs().values()) + [ill]:
+        out = batched_newton_schulz(x, steps=30, coefficients="cubic", dtype=torch.float32)
+        u, _, vh = torch.linalg.svd(x.double(), full_matrices=False)
+        assert (out.double() - u @ vh).abs().max().item() < 1e-4
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", sorted(COEFFICIENT_SETS))
+def test_singular_values_follow_the_scalar_polynomial(name):
+    """NS acts on each singular value alone: s_out = p_k(...p_1(s / ||X||_F)) with
+    p_i(s) = a s + b s^3 + c s^5.  In float64 this pins every (a, b, c) of the table to
+    its step (wrong order, a wrong repeat of the last triple, a typo all show)."""
+    steps = 9  # one past polar_express's 8 triples: exercises the repeat rule
+    x = _input(2, 24, 40, seed=3).double()
+    out = batched_newton_schulz(x, steps=steps, coefficients=name, dtype=torch.float64, eps=0.0)
+    s = torch.linalg.svdvals(x) / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)[..., 0]
+    for a, b, c in resolve_coefficients(name, steps):
+        s = a * s + b * s**3 + c * s**5
+    expected = s.abs().sort(dim=-1, descending=True).values
+    assert torch.allclose(torch.linalg.svdvals(out), expected, rtol=1e-9, atol=1e-9)
+
+
+# ---------------------------------------------------------------- errors
+@pytest.mark.timeout(30)
+def test_bad_inputs_give_clear_errors():
+    x = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="ns_steps must be an integer >= 1"):
+        batched_newton_schulz(x, steps=0)
+    with pytest.raises(ValueError, match="unknown Newton-Schulz coefficient set 'nope'"):
+        batched_newton_schulz(x, coefficients="nope")
+    with pytest.raises(ValueError, match=r"\[m, n\] or a batch \[b, m, n\].*1-D"):
+        batched_newton_schulz(torch.randn(16))
+    with pytest.raises(ValueError, match="4-D"):
+        batched_newton_schulz(torch.randn(2, 2, 4, 4))
+    with pytest.raises(ValueError, match="empty matrix"):
+        batched_newton_schulz(torch.randn(2, 0, 4))
+    with pytest.raises(ValueError, match="floating-point"):
+        batched_newton_schulz(torch.ones(4, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="unknown NS backend 'cuBLAS'"):
+        batched_newton_schulz(x, backend="cuBLAS")
+    with pytest.raises(ValueError, match="bad triton config"):
+        get_backend("triton:100x16:w4:s2")
+    assert batched_newton_schulz(torch.randn(0, 4, 8)).shape == (0, 4, 8)
+
+
+@pytest.mark.timeout(30)
+def test_triton_not_offered_on_cpu_without_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert "triton" not in available_backends("cpu")
+    assert available_backends("cpu")[:2] == ["torch_batched", "torch_loop"]
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        batched_newton_schulz(torch.randn(16, 32), backend="triton")
+
+
+@pytest.mark.timeout(30)
+def test_import_does_not_import_triton():
+    code = "import sys, megatron_muon.kernels as k; print('triton' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=25, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------- Triton (interpreted)
+def _run_interpreted(code: str, tmp_path: Path, timeout: int = 55) -> dict:
+    """Run ``code`` in a fresh interpreter with TRITON_INTERPRET=1 set before triton is
+    imported (triton.jit reads it when a kernel is decorated) and return its JSON line.
+    The code goes to a file because triton.jit needs the kernel's source file."""
+    script = tmp_path / "interpreted_check.py"
+    script.write_text(textwrap.dedent(code))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+def test_triton_jit_reads_interpret_flag_at_decoration_time(tmp_path):
+    code = """
+        import json, os
+        os.environ.pop("TRITON_INTERPRET", None)
+        import triton
+        def f(x): pass
+        compiled = type(triton.jit(f)).__name__
+        os.environ["TRITON_INTERPRET"] = "1"
+        interpreted = type(triton.jit(f)).__name__
+        print(json.dumps({"before": compiled, "after": interpreted}))
+    """
+    res = _run_interpreted(code, tmp_path)
+    assert res == {"before": "JITFunction", "after": "InterpretedFunction"}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+def test_triton_interpreted_matches_torch(tmp_path):
+    """Both kernels and the whole NS under the interpreter (16x16 tiles): wide, tall,
+    batch 3, sizes that are not tile multiples (masks, 3x3 tile grid with mirrored
+    off-diagonal tiles), the c=0 (cubic) path, fp32 and bf16."""
+    code = """
+        import json, torch
+        from megatron_muon.kernels import batched_newton_schulz, available_backends
+        from megatron_muon.kernels import triton_ns
+        from megatron_muon.newton_schulz import newton_schulz
+        res = {"interpreted": triton_ns.INTERPRETED, "available": available_backends("cpu")}
+        g = torch.Generator().manual_seed(0)
+        rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()
+        cfg = triton_ns.default_config(torch.float32, True)
+        x = torch.randn(2, 40, 24, generator=g)
+        y = torch.randn(2, 40, 40, generator=g); y = y + y.transpose(1, 2)
+        a = torch.full((2, 40, 40), float("nan"))  # every tile must be written, lower ones by mirroring
+        triton_ns.sym_gram(x, a, cfg)
+        res["gram"] = rel(a, x @ x.transpose(1, 2))
+        res["programs_per_matrix"] = triton_ns._upper_tiles(3, x.device)[0].numel()
+        triton_ns.sym_gram(x, a, cfg, alpha=0.5, y=y, beta=-2.0)
+        res["gram_epilogue"] = rel(a, 0.5 * x @ x.transpose(1, 2) - 2.0 * y)
+        b = torch.randn(2, 40, 40, generator=g); o = torch.empty_like(x)
+        triton_ns.poly_update(b, x, o, cfg, a=1.5, alpha=-0.25)
+        res["update"] = rel(o, 1.5 * x - 0.25 * b @ x)
+        for shape, coef, dt in [((16, 32), "simple", "float32"), ((32, 16), "simple", "float32"),
+                                ((3, 16, 32), "quintic", "float32"), ((33, 20), "cubic", "float32"),
+                                ((16, 32), "simple", "bfloat16"), ((2, 32, 16), "quintic", "bfloat16")]:
+            x = torch.randn(*shape, generator=g)
+            dtype = getattr(torch, dt)
+            out = batched_newton_schulz(x, steps=2, coefficients=coef, dtype=dtype, backend="triton")
+            ref = newton_schulz(x, steps=2, coefficients=coef, dtype=dtype)
+            res[f"ns {shape} {coef} {dt}"] = rel(out, ref)
+        print(json.dumps(res))
+    """
+    res = _run_interpreted(code, tmp_path)
+    assert res.pop("interpreted") is True
+    assert "triton" in res.pop("available")
+    assert res.pop("programs_per_matrix") == 6  # 40 rows / 16-tiles: 3x3 grid, upper triangle only
+    for key, err in res.items():
+        tol = 2e-2 if "bfloat16" in key else 1e-5
+        assert err < tol, (key, err)

@@ -1,0 +1,156 @@
+"""NSTuner: validation against the reference, choice, JSON persistence, cost-model lookups."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_muon.kernels import NSTuner, batched_newton_schulz
+from megatron_muon.kernels.backends import torch_batched, torch_loop
+from megatron_muon.kernels.tuner import CACHE_ENV, default_candidates
+from megatron_muon.newton_schulz import resolve_coefficients
+
+
+class Counting:
+    """Wraps a backend and counts calls, to prove what was (not) timed."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, x, coeffs, eps, dtype):
+        self.calls += 1
+        return self.fn(x, coeffs, eps, dtype)
+
+
+def _identity(x, coeffs, eps, dtype):
+    """Fastest possible and wrong: returns the input."""
+    return x.clone()
+
+
+def _wrong_coefficients(x, coeffs, eps, dtype):
+    """Plausible but wrong: classic cubic NS instead of the requested set."""
+    return torch_batched(x, resolve_coefficients("cubic", len(coeffs)), eps, dtype)
+
+
+def _raises(x, coeffs, eps, dtype):
+    raise RuntimeError("no kernel image for this device")
+
+
+@pytest.mark.timeout(60)
+def test_drops_wrong_candidates_and_keeps_a_correct_one():
+    tuner = NSTuner(candidates={"identity": _identity, "wrong_coeffs": _wrong_coefficients,
+                                "broken": _raises, "torch_batched": torch_batched,
+                                "torch_loop": torch_loop},
+                    warmup=0, iters=1)
+    choice = tuner.choose(24, 40, 3, torch.float32, "cpu")
+    assert choice in ("torch_batched", "torch_loop")
+    (row,) = tuner.table()
+    assert set(row["rejected"]) == {"identity", "wrong_coeffs", "broken"}
+    assert "relative Frobenius error" in row["rejected"]["wrong_coeffs"]
+    assert "no kernel image" in row["rejected"]["broken"]
+    assert set(row["timings"]) == {"torch_batched", "torch_loop"}
+    assert row["seconds"] == min(row["timings"].values()) == tuner.time(24, 40, 3, torch.float32, "cpu")
+
+
+@pytest.mark.timeout(60)
+def test_bf16_tolerance_accepts_correct_rejects_wrong():
+    tuner = NSTuner(candidates={"torch_loop": torch_loop, "wrong_coeffs": _wrong_coefficients},
+                    warmup=0, iters=1)
+    assert tuner.choose(32, 16, 2, torch.bfloat16, "cpu") == "torch_loop"
+    assert "wrong_coeffs" in tuner.table()[0]["rejected"]
+
+
+@pytest.mark.timeout(60)
+def test_persists_and_reloads_without_retiming(tmp_path):
+    path = tmp_path / "sub" / "ns_tuner.json"
+    first = NSTuner(cache_path=path, candidates=["torch_batched", "torch_loop"], warmup=0, iters=1)
+    keys = [(16, 32, 1, torch.float32), (48, 24, 3, torch.float32), (16, 16, 2, torch.bfloat16)]
+    chosen = {k: first.choose(*k, "cpu") for k in keys}
+    seconds = {k: first.time(*k, "cpu") for k in keys}
+    assert first.tune_count == 3
+    data = json.loads(path.read_text())
+    assert len(data["entries"]) == 3
+    for entry in data["entries"].values():  # choices AND all timings persisted
+        assert set(entry["timings"]) == {"torch_batched", "torch_loop"}
+        assert entry["choice"] in entry["timings"] and entry["seconds"] > 0
+
+    counters = {"torch_batched": Counting(torch_batched), "torch_loop": Counting(torch_loop)}
+    second = NSTuner(cache_path=path, candidates=counters, warmup=0, iters=1)
+    for k in keys:
+        assert second.choose(*k, "cpu") == chosen[k]
+        assert second.time(*k, "cpu") == seconds[k]
+    assert second.tune_count == 0
+    assert all(c.calls == 0 for c in counters.values())
+    assert len(second.table()) == 3
+
+
+@pytest.mark.timeout(60)
+def test_time_is_a_lookup_after_the_first_call():
+    counter = Counting(torch_batched)
+    tuner = NSTuner(candidates={"torch_batched": counter}, warmup=1, iters=2)
+    t1 = tuner.time(20, 30, 2, torch.float32, torch.device("cpu"))
+    calls = counter.calls
+    assert calls == 1 + 1 + 2  # validation run, warmup, timed iterations
+    for _ in range(100):
+        assert tuner.time(20, 30, 2, torch.float32, "cpu") == t1
+    assert counter.calls == calls
+
+
+@pytest.mark.timeout(60)
+def test_env_var_names_the_cache(tmp_path, monkeypatch):
+    path = tmp_path / "env_cache.json"
+    monkeypatch.setenv(CACHE_ENV, str(path))
+    tuner = NSTuner(candidates=["torch_batched"], warmup=0, iters=1)
+    tuner.choose(8, 16, 1, torch.float32, "cpu")
+    assert tuner.cache_path == str(path) and path.exists()
+    monkeypatch.delenv(CACHE_ENV)
+    assert NSTuner(candidates=["torch_batched"]).cache_path is None  # memory only
+
+
+@pytest.mark.timeout(60)
+def test_new_candidate_triggers_retune_and_merges(tmp_path):
+    path = tmp_path / "c.json"
+    NSTuner(cache_path=path, candidates=["torch_batched"], warmup=0, iters=1).choose(8, 24, 2, torch.float32, "cpu")
+    counter = Counting(torch_loop)
+    wider = NSTuner(cache_path=path, candidates={"torch_batched": torch_batched, "torch_loop": counter},
+                    warmup=0, iters=1)
+    wider.choose(8, 24, 2, torch.float32, "cpu")
+    assert counter.calls > 0 and wider.tune_count == 1
+    wider.choose(8, 8, 1, torch.float32, "cpu")
+    assert len(json.loads(path.read_text())["entries"]) == 2
+
+
+@pytest.mark.timeout(60)
+def test_auto_backend_uses_the_tuner():
+    counter = Counting(torch_batched)
+    tuner = NSTuner(candidates={"mine": counter}, warmup=0, iters=1)
+    x = torch.randn(3, 16, 24)
+    out = batched_newton_schulz(x, steps=5, coefficients="simple", backend="auto", tuner=tuner)
+    assert counter.calls == 3  # validation, timing, and the real call
+    assert torch.allclose(out, batched_newton_schulz(x, backend="torch_batched"))
+    assert tuner.choose(16, 24, 3, torch.float32, "cpu") == "mine"
+
+
+@pytest.mark.timeout(30)
+def test_bad_tuner_arguments_and_corrupt_cache(tmp_path):
+    with pytest.raises(ValueError, match="unknown NS backend"):
+        NSTuner(candidates=["torch_batched", "fastest_ever"])
+    with pytest.raises(ValueError, match="ns_steps must be an integer >= 1"):
+        NSTuner(steps=0)
+    with pytest.raises(ValueError, match="m, n, batch >= 1"):
+        NSTuner().choose(0, 4, 1, torch.float32, "cpu")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.warns(UserWarning, match="ignoring unreadable cache"):
+        tuner = NSTuner(cache_path=bad, candidates=["torch_batched"], warmup=0, iters=1)
+    assert tuner.table() == []
+    tuner.choose(4, 8, 1, torch.float32, "cpu")  # rewrites a valid file
+    assert json.loads(bad.read_text())["version"] == 1
+
+
+@pytest.mark.timeout(30)
+def test_default_candidates_on_cpu_skip_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert default_candidates("cpu") == ["torch_batched", "torch_loop"]

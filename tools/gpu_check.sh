@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# GPU check of the batched Newton-Schulz kernels (megatron_muon.kernels).
+#
+# Run from the repository root with python3 on PATH (torch, triton; megatron-core not
+# needed).  Budget: the per-part limits add up to < 8 minutes on one H200.  On CUDA it
+#   1. checks the Triton kernels against torch at realistic sizes in fp32 and bf16,
+#   2. tunes the bench shapes with NSTuner and prints its table,
+#   3. measures NS throughput (TFLOP/s, % of bf16 peak) batched vs per-matrix loop
+#      with tools/bench_ns.py.
+# Without CUDA it runs the CPU-safe parts (a tiny interpreted Triton check and a small
+# CPU bench), says it skipped the GPU parts, and exits 0.
+# Results: ${OUT:-/tmp}/gpu_check.txt (and the tuner cache next to it).
+# Env: PYTHON (default python3), PEAK_TFLOPS (bf16 dense peak, default 790 for H200).
+
+set -u
+OUT_DIR="${OUT:-/tmp}"
+mkdir -p "$OUT_DIR"
+REPORT="$OUT_DIR/gpu_check.txt"
+: > "$REPORT"
+PY="${PYTHON:-python3}"
+PEAK="${PEAK_TFLOPS:-790}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export MEGATRON_MUON_TUNER_CACHE="$OUT_DIR/ns_tuner.json"
+FAILED=0
+
+log() { echo "$*" | tee -a "$REPORT"; }
+
+# step NAME SECONDS CMD...: run with a time limit, keep the output, record failure.
+step() {
+    local name=$1 limit=$2 rc
+    shift 2
+    log ""
+    log "== $name (limit ${limit}s)"
+    timeout "$limit" "$@" 2>&1 | tee -a "$REPORT"
+    rc=${PIPESTATUS[0]}
+    log "-- $name: rc=$rc"
+    if [ "$rc" -ne 0 ]; then FAILED=1; fi
+}
+
+log "# gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) in $PWD"
+"$PY" - <<'EOF' 2>&1 | tee -a "$REPORT"
+import importlib.util, platform, torch
+print(f"python {platform.python_version()}, torch {torch.__version__}, "
+      f"cuda {torch.version.cuda}, available {torch.cuda.is_available()}")
+if importlib.util.find_spec("triton"):
+    import triton
+    print(f"triton {triton.__version__}")
+else:
+    print("triton: not installed")
+if torch.cuda.is_available():
+    print(f"device: {torch.cuda.get_device_name(0)}")
+EOF
+
+if "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    HAVE_CUDA=1
+else
+    HAVE_CUDA=0
+fi
+
+if [ "$HAVE_CUDA" -eq 1 ]; then
+    step "triton vs torch on CUDA (realistic sizes, fp32 + bf16)" 140 "$PY" - <<'EOF'
+import sys, time, torch
+from megatron_muon.kernels import batched_newton_schulz
+from megatron_muon.newton_schulz import newton_schulz
+
+torch.manual_seed(0)
+rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()
+# (batch, m, n): the bench's Muon shapes, a tall one, and sizes that are not tile multiples
+shapes = [(8, 1024, 1024), (4, 4096, 1024), (4, 1024, 4096), (2, 1000, 1500), (1, 2048, 8192)]
+cases = [("float32", "simple", 1e-4), ("float32", "cubic", 1e-4),
+         ("bfloat16", "simple", 3e-2), ("bfloat16", "quintic", 3e-2)]
+bad = 0
+print(f"fp32 matmul precision: {torch.get_float32_matmul_precision()} (triton fp32 uses "
+      f"{'ieee' if torch.get_float32_matmul_precision() == 'highest' else 'tf32'})")
+for dt_name, coef, tol in cases:
+    dtype = getattr(torch, dt_name)
+    for b, m, n in shapes:
+        x = torch.randn(b, m, n, device="cuda")
+        ref = newton_schulz(x, 5, coef, dtype=dtype)
+        t0 = time.perf_counter()
+        out = batched_newton_schulz(x, 5, coef, dtype=dtype, backend="triton")
+        torch.cuda.synchronize()
+        err = rel(out, ref)
+        ok = err < tol and torch.isfinite(out).all().item()
+        bad += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {dt_name:8s} {coef:8s} {b}x{m}x{n}: rel err {err:.2e} "
+              f"(tol {tol:.0e}), first call {time.perf_counter() - t0:.2f}s")
+# symmetric kernel on its own: every (also mirrored) tile written
+from megatron_muon.kernels import triton_ns
+for dtype in (torch.float32, torch.bfloat16):
+    x = torch.randn(3, 1000, 3000, device="cuda", dtype=dtype)
+    a = torch.full((3, 1000, 1000), float("nan"), device="cuda", dtype=dtype)
+    triton_ns.sym_gram(x, a, triton_ns.default_config(dtype, False))
+    err = rel(a, torch.bmm(x, x.transpose(1, 2)))
+    ok = err < (1e-4 if dtype == torch.float32 else 1e-2)
+    bad += not ok
+    print(f"{'ok  ' if ok else 'FAIL'} sym_gram {dtype}: rel err {err:.2e}, nan left {torch.isnan(a).sum().item()}")
+sys.exit(1 if bad else 0)
+EOF
+
+    step "tuner on the bench shapes (bf16)" 110 "$PY" - <<'EOF'
+import torch
+from megatron_muon.kernels import NSTuner
+tuner = NSTuner(warmup=2, iters=5)
+for m, n, b in [(1024, 1024, 32), (1024, 4096, 16), (1024, 1024, 1), (4096, 4096, 4)]:
+    tuner.choose(m, n, b, torch.bfloat16, "cuda")
+for row in tuner.table():
+    t = ", ".join(f"{k} {v * 1e3:.2f}ms" for k, v in sorted(row["timings"].items(), key=lambda kv: kv[1]))
+    print(f"{row['m']}x{row['n']} b{row['batch']} {row['dtype']}: choice {row['choice']} | {t}")
+    for k, why in row["rejected"].items():
+        print(f"    rejected {k}: {why}")
+print(f"cache: {tuner.cache_path}")
+EOF
+
+    step "bench bf16, 8 layers hidden 1024" 60 "$PY" tools/bench_ns.py --device cuda --dtype bf16 \
+        --backends torch_batched,torch_loop,triton --peak-tflops "$PEAK"
+    step "bench bf16, 4 layers hidden 4096 (bigger matrices)" 90 "$PY" tools/bench_ns.py --device cuda \
+        --dtype bf16 --hidden 4096 --layers 4 --repeat 5 --backends torch_batched,torch_loop,triton \
+        --peak-tflops "$PEAK"
+    step "bench fp32, 8 layers hidden 1024 (% of the bf16 peak)" 60 "$PY" tools/bench_ns.py --device cuda \
+        --dtype fp32 --repeat 5 --backends torch_batched,torch_loop,triton --peak-tflops "$PEAK"
+else
+    log ""
+    log "== no CUDA device: skipping the GPU parts (CUDA Triton check, tuner, GPU bench)"
+    if "$PY" -c 'import triton' 2>/dev/null; then
+        CHECK="$(mktemp "${TMPDIR:-/tmp}/ns_interp_XXXXXX.py")"
+        cat > "$CHECK" <<'EOF'
+import sys, torch
+from megatron_muon.kernels import batched_newton_schulz
+from megatron_muon.newton_schulz import newton_schulz
+bad = 0
+for shape, dtype, tol in [((16, 32), torch.float32, 1e-5), ((32, 16), torch.float32, 1e-5),
+                          ((2, 16, 32), torch.bfloat16, 2e-2)]:
+    x = torch.randn(*shape)
+    out = batched_newton_schulz(x, steps=2, dtype=dtype, backend="triton")
+    ref = newton_schulz(x, steps=2, dtype=dtype)
+    err = ((out - ref).norm() / ref.norm()).item()
+    bad += not err < tol
+    print(f"{'ok  ' if err < tol else 'FAIL'} interpreted triton {shape} {dtype}: rel err {err:.2e}")
+sys.exit(1 if bad else 0)
+EOF
+        # TRITON_INTERPRET must be set before the kernels are decorated (first triton use)
+        step "tiny interpreted Triton check (CPU)" 120 env TRITON_INTERPRET=1 "$PY" "$CHECK"
+        rm -f "$CHECK"
+    else
+        log "triton not installed: interpreted check skipped"
+    fi
+    step "small CPU bench" 120 "$PY" tools/bench_ns.py --device cpu --hidden 256 --layers 1 --repeat 1
+fi
+
+log ""
+if [ "$FAILED" -ne 0 ]; then
+    log "# gpu_check: FAILED (see above); report in $REPORT"
+    [ "$HAVE_CUDA" -eq 1 ] && exit 1
+    exit 0
+fi
+log "# gpu_check: all run parts passed; report in $REPORT"
+exit 0
