@@ -52,6 +52,9 @@ class DMuonOptimizerConfig(OptimizerConfig):
     dmuon_tuner_cache: Optional[str] = None
     dmuon_ns_backend: str = "auto"
     """'auto' (tuner if dmuon_plan_cost == 'tuner', else torch batched), 'torch', 'triton'."""
+    dmuon_locality_slack: float = 0.03
+    """Owner plan: a unit goes to the rank holding most of it if that keeps the rank within
+    (1 + slack) x the mean NS load; 0 still prefers local owners among equally loaded ranks."""
     dmuon_log_plan: bool = True
     dmuon_check_finite: bool = False
     """Raise a clear error if a Muon gradient is NaN/Inf (costs one reduction per step)."""

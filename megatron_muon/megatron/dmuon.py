@@ -44,6 +44,111 @@ class _SubsetMixin:
     def _init_subset(self, optimizer) -> None:
         self._managed = {p for g in optimizer.param_groups for p in g["params"]}
 
+    completed_steps = 0
+
+    def step_with_ready_grads(self) -> bool:
+        self.completed_steps += 1
+        return super().step_with_ready_grads()
+
+    def _group_state_dict(self, step) -> dict:
+        """Megatron's non-parameter optimizer state, without needing per-parameter state."""
+        groups = []
+        for g in self.optimizer.param_groups:
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "step": step})
+        sd = {"optimizer": {"param_groups": groups}}
+        if self.grad_scaler:
+            sd["grad_scaler"] = self.grad_scaler.state_dict()
+        return sd
+
+    # -- checkpoints: model-space state, reshardable across DP, TP and PP ------------------
+    CHECKPOINT_FORMAT = "megatron_muon_model_space"
+    state_keys: tuple = ("exp_avg", "exp_avg_sq")
+
+    def _managed_in_order(self) -> list:
+        return [p for chunk in self.model_chunks for _, p in chunk.named_parameters()
+                if p in self._managed]
+
+    def _model_space_state(self, model_sharded_state_dict, is_loading: bool) -> dict:
+        """{index: {key: ShardedTensor}} of whole TP-local tensors, one per managed param.
+
+        Each DP rank holds a flat slice of every main param and state tensor; they are
+        summed into whole TP-local tensors over the DP group (zeros elsewhere), and saved
+        as model-space ShardedTensors (DP rank 0 is the main replica), so
+        dist_checkpointing reshards them to any DP / TP / PP layout on load.
+        """
+        from dataclasses import replace
+
+        from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+        meta = {}
+        sharded, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
+        for sh in nested_values(sharded):
+            meta[sh.data] = sh
+        params = self._managed_in_order()
+        full = self._gather_model_space(params, empty=is_loading)
+        dp_rank = self.data_parallel_group.rank()
+        out = {}
+        for i, p in enumerate(params):
+            if p not in meta:
+                raise ValueError("model parameter missing from the model sharded_state_dict")
+            sh = meta[p]
+            out[i] = {key: replace(sh, key=f"optimizer.state.{key}.{sh.key}", data=full[key][i],
+                                   dtype=full[key][i].dtype,
+                                   replica_id=(*sh.replica_id[:2], dp_rank))
+                      for key in full}
+        return out
+
+    @torch.no_grad()
+    def _gather_model_space(self, params: list, empty: bool) -> dict:
+        keys = ("param",) + tuple(self.state_keys)
+        sizes = [p.numel() for p in params]
+        dev = params[0].device if params else torch.device("cpu")
+        bufs = {k: torch.zeros(sum(sizes), dtype=torch.float32, device=dev) for k in keys}
+        if not empty and not self.is_stub_optimizer:
+            off = 0
+            for p, n in zip(params, sizes):
+                if p in self.model_param_gbuf_map:
+                    r = self._get_model_param_range_map(p)["param"]
+                    tensors = self._get_main_param_and_optimizer_states(p)
+                    for k in keys:
+                        bufs[k][off + r.start: off + r.end].copy_(tensors[k].view(-1))
+                off += n
+            for k in keys:
+                dist.all_reduce(bufs[k], group=self.data_parallel_group)
+        return {k: [t.view_as(p) for t, p in zip(torch.split(bufs[k], sizes), params)]
+                for k in keys}
+
+    @torch.no_grad()
+    def _load_model_space_state(self, param_state: dict) -> None:
+        params = self._managed_in_order()
+        for i, p in enumerate(params):
+            if p not in self.model_param_gbuf_map:
+                continue
+            r = self._get_model_param_range_map(p)["param"]
+            tensors = self._get_main_param_and_optimizer_states(p)
+            for k, v in param_state[i].items():
+                tensors[k].view(-1).copy_(v.reshape(-1)[r.start: r.end])
+
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False,
+                           sharding_type=None, metadata=None):
+        state_dict = self.state_dict()
+        if is_loading:
+            self.load_state_dict(self.state_dict())  # allocate state before it is filled
+        state_dict["param_state"] = self._model_space_state(model_sharded_state_dict or {},
+                                                            is_loading)
+        state_dict["param_state_sharding_type"] = self.CHECKPOINT_FORMAT
+        return state_dict
+
+    def _split_param_state(self, state_dict) -> tuple:
+        state_dict = dict(state_dict)
+        param_state = state_dict.pop("param_state", None)
+        kind = state_dict.pop("param_state_sharding_type", None)
+        if param_state is not None and kind != self.CHECKPOINT_FORMAT:
+            raise ValueError(f"optimizer checkpoint format {kind!r} is not supported here; "
+                             f"megatron_muon writes {self.CHECKPOINT_FORMAT!r}")
+        return state_dict, param_state
+
     def _build_gbuf_range_map(self, param_and_grad_buffer):
         ranges = super()._build_gbuf_range_map(param_and_grad_buffer)
         for bucket_maps in ranges.values():
@@ -58,6 +163,27 @@ class SubsetDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
     def __init__(self, optimizer, *args, **kwargs):
         self._init_subset(optimizer)
         super().__init__(optimizer, *args, **kwargs)
+
+    def state_dict(self):
+        # Megatron reads 'step' from per-parameter Adam state, which a rank whose DP shard
+        # holds none of the non-Muon parameters does not have.
+        if not self.is_stub_optimizer and len(self.optimizer.state) == 0:
+            return self._group_state_dict(self.completed_steps)
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict):
+        state_dict, param_state = self._split_param_state(state_dict)
+        steps = {g.get("step") for g in state_dict["optimizer"]["param_groups"]} - {None}
+        if len(steps) == 1:
+            self.completed_steps = int(steps.pop())
+        super().load_state_dict(state_dict)
+        # Megatron (torch-Adam path) gives every parameter the *same* 'step' tensor, which
+        # torch's AdamW then increments once per parameter: un-share it.
+        for st in self.optimizer.state.values():
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].clone()
+        if param_state is not None:
+            self._load_model_space_state(param_state)
 
 
 class ShardedMuonStep(torch.optim.Optimizer):
@@ -87,7 +213,6 @@ class ShardedMuonStep(torch.optim.Optimizer):
                 st = self.state[p]
                 if "momentum_buffer" not in st:
                     st["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-                    st["step"] = torch.zeros((), dtype=torch.float32)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -102,7 +227,6 @@ class ShardedMuonStep(torch.optim.Optimizer):
                 buf.mul_(mu).add_(g)
                 u = g.add(buf, alpha=mu) if self.nesterov else buf
                 flat[self.offsets[p]: self.offsets[p] + p.numel()].copy_(u.view(-1))
-                st["step"] += 1
             group["step"] += 1
         if self.check_finite and not bool(torch.isfinite(flat).all()):
             raise FloatingPointError(
@@ -124,6 +248,7 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
     """
 
     publish_params = True  # False when a later optimizer in the chain all-gathers params
+    state_keys = ("momentum_buffer",)
 
     def __init__(self, optimizer, config, grad_scaler, init_state_fn, model_chunks,
                  per_model_buffers, data_parallel_group, *args, muon_config=None,
@@ -197,7 +322,17 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
         cost = self._unit_cost()
         tasks = [UnitTask(m.unit_key(i), u.shape, cost(u.shape), 4 * u.numel)
                  for m in matrices for i, u in enumerate(m.units)]
-        plan = plan_owners(tasks, dist.get_world_size(group))
+        holdings = {}
+        for m in matrices:
+            total = m.shape[0] * m.shape[1]
+            for i, u in enumerate(m.units):
+                held = [0] * dist.get_world_size(group)
+                for pc in m.pieces:  # proportional estimate for split (QKV, gate/up) units
+                    held[pc.rank] += (pc.end - pc.start) * u.numel // total
+                holdings[m.unit_key(i)] = held
+        plan = plan_owners(tasks, dist.get_world_size(group),
+                           holdings=None if self.replicate else holdings,
+                           locality_slack=cfg.dmuon_locality_slack)
         digests = [None] * dist.get_world_size(group)
         dist.all_gather_object(digests, plan.digest, group=group)
         if len(set(digests)) != 1:
@@ -235,12 +370,28 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
     def _get_state_key_dtype(self, key):
         return torch.float32
 
+    def state_dict(self):
+        step = self.optimizer.param_groups[0]["step"] if not self.is_stub_optimizer and \
+            self.optimizer.param_groups else self.completed_steps
+        return self._group_state_dict(step)
+
     def load_state_dict(self, state_dict):
-        # Allocate our state first so Megatron takes its "state exists" path rather than
-        # allocating Adam's exp_avg / exp_avg_sq.
-        if not self.is_stub_optimizer:
-            self.optimizer.init_state()
-        super().load_state_dict(state_dict)
+        """Non-parameter state (groups, step, grad scaler) plus the sharded param state."""
+        state_dict, param_state = self._split_param_state(state_dict)
+        if self.is_stub_optimizer:
+            return
+        self.optimizer.init_state()
+        saved = state_dict["optimizer"]["param_groups"]
+        if len(saved) != len(self.optimizer.param_groups):
+            raise ValueError(f"checkpoint has {len(saved)} DMuon param groups, this model "
+                             f"{len(self.optimizer.param_groups)}")
+        for group, sg in zip(self.optimizer.param_groups, saved):
+            group.update({k: v for k, v in sg.items() if k != "params"})
+        self.completed_steps = int(saved[0].get("step", 0)) if saved else 0
+        if self.grad_scaler and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        if param_state is not None:
+            self._load_model_space_state(param_state)
 
     def step_with_ready_grads(self) -> bool:
         if self.publish_params:

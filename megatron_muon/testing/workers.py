@@ -58,7 +58,7 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
     if checkpoint and checkpoint.get("load"):
         from megatron_muon.megatron.checkpoint import load_checkpoint
 
-        start = load_checkpoint(checkpoint["load"], model, optim)
+        start = load_checkpoint(checkpoint["load"], model, optim, sched)
     for step in range(start, steps):
         sched.step(1)
         out = train_step(model, optim, gcfg, step, lr["dp"], lr["dp_size"])
@@ -67,7 +67,7 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
         if checkpoint and checkpoint.get("save") and step + 1 == checkpoint.get("save_at"):
             from megatron_muon.megatron.checkpoint import save_checkpoint
 
-            save_checkpoint(checkpoint["save"], model, optim, step + 1)
+            save_checkpoint(checkpoint["save"], model, optim, step + 1, sched)
     result = dict(layout=lr, losses=losses, grad_norms=norms, rank=dist.get_rank())
     if return_params:
         result["params"] = full_named_params(model)
@@ -75,3 +75,10 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
         if hasattr(sub, "dmuon_stats"):
             result["dmuon_stats"] = sub.dmuon_stats()
     return result
+
+
+def stall(seconds: float = 60.0) -> None:
+    """A rank that never finishes in time (used to test that launches time out)."""
+    import time
+
+    time.sleep(seconds)

@@ -1,0 +1,753 @@
+#!/usr/bin/env python3
+"""Pretrain a GPT with Megatron-Core and DMuon (owner-centric distributed Muon).
+
+A complete, small Megatron-Core pretraining script, meant to be read top to bottom:
+arguments -> data -> model -> optimizer -> training loop -> summary.  Everything is real
+Megatron-Core: ``GPTModel``, Megatron DDP with the distributed optimizer (ZeRO-1),
+``get_forward_backward_func`` (1F1B when --pipeline-model-parallel-size > 1),
+``OptimizerParamScheduler``, ``GPTDataset`` over an ``IndexedDataset`` built with
+``IndexedDatasetBuilder`` and ``BlendedMegatronDatasetBuilder``, and checkpoints with
+``megatron.core.dist_checkpointing``.  ``--optimizer dmuon`` plugs in through
+``megatron_muon.get_megatron_optimizer`` (same signature as Megatron-Core's); ``adam`` is
+Megatron-Core's own AdamW distributed optimizer.
+
+Run it:
+
+    python examples/pretrain_gpt.py                      # 4 CPU ranks (gloo), TP2 x DP2, dmuon
+    python examples/pretrain_gpt.py --optimizer adam --train-iters 50
+    torchrun --nproc-per-node 8 examples/pretrain_gpt.py --tensor-model-parallel-size 2 \\
+        --pipeline-model-parallel-size 2 --bf16          # GPUs: NCCL, Transformer Engine spec
+
+Launched without torchrun's environment, the script starts ``--nproc`` local ranks itself
+(a small torchrun: same environment variables, output of rank 0 on your terminal).  On a
+machine without CUDA, ``megatron_muon.megatron.cpu_mode`` runs Megatron-Core on CPU with
+gloo; with CUDA nothing is patched.
+
+The data.  By default the corpus is the Python standard library's own ``*.py`` files,
+read as bytes: about 10 MB of real, structured text that every Python installation has,
+so the example needs no download, no tokenizer files and no network (the machines this
+project runs on have none).  The tokenizer is byte-level: token = byte value, vocabulary
+256 (padded to a multiple of 128 x TP, as Megatron-LM pads), and the NUL byte, which never
+occurs in Python source, is the end-of-document token.  Rank 0 of each node tokenizes the
+files once into ``<--data-cache-dir>/<name>-<fingerprint>.{bin,idx}`` with Megatron-Core's
+``IndexedDatasetBuilder``; the other ranks wait at a barrier and then memory-map it.
+``--data-path`` takes your own text file or directory of text files instead (same byte
+tokenizer), or the prefix of an existing Megatron ``.bin``/``.idx`` pair with byte tokens.
+For multi-node runs put ``--data-cache-dir`` on a shared filesystem (Megatron-Core's
+``GPTDataset`` caches its sample/shuffle indices there, built by global rank 0).
+
+Output: rank 0 prints one line every --log-interval iterations (iteration, loss, lr,
+grad norm, tokens/s, ms/step) and a summary at the end (first and last loss, total time,
+step time split into forward-backward and optimizer step, taken as the max over ranks);
+``--log-json`` writes the per-step losses and timings.  Bad input ends with a one-line
+``error: ...`` and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+import warnings
+
+T_LAUNCH = time.perf_counter()
+from functools import partial
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if (REPO / "megatron_muon").is_dir() and str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # runs from a checkout without `pip install -e .`
+
+OPTIMIZERS = ("adam", "dmuon", "muon_naive")
+BYTE_VOCAB = 256
+EOD = 0  # the NUL byte: never part of Python source or of a text file
+
+
+class UsageError(Exception):
+    """Bad input: reported as one line, ``error: <message>``, exit code 2."""
+
+
+# =========================================================================== arguments
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of the long usage block
+        raise UsageError(f"{message} (see --help)")
+
+
+def get_args(argv=None) -> argparse.Namespace:
+    from megatron_muon.megatron.arguments import add_dmuon_args
+
+    p = _ArgumentParser(description="Pretrain a small GPT with Megatron-Core + DMuon.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                allow_abbrev=False)
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=2)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--nproc", type=int, default=None,
+                   help="ranks to start when launched without torchrun "
+                        "(default: 4 on CPU, the number of GPUs with CUDA)")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=128)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden")
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="grouped-query attention; default: one group per head")
+    g.add_argument("--seq-length", type=int, default=64)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"),
+                   default="auto", help="auto: Transformer Engine on CUDA when it imports")
+    g.add_argument("--bf16", action="store_true")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=4)
+    g.add_argument("--global-batch-size", type=int, default=16)
+    g.add_argument("--train-iters", type=int, default=250)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default="dmuon")
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--min-lr", type=float, default=3e-4)
+    g.add_argument("--lr-warmup-iters", type=int, default=10)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-decay-style", default="cosine",
+                   choices=("constant", "linear", "cosine", "inverse-square-root"))
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", default=None,
+                   help="a text file, a directory of text files, or the prefix of a Megatron "
+                        ".bin/.idx pair (byte tokens); default: the Python stdlib sources")
+    g.add_argument("--data-cache-dir", default=os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "megatron_muon"))
+
+    g = p.add_argument_group("checkpointing and logging")
+    g.add_argument("--save", default=None, help="checkpoint directory to write")
+    g.add_argument("--save-interval", type=int, default=None,
+                   help="iterations between checkpoints (and one at the end)")
+    g.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--log-json", default=None, help="write per-step losses and timings here")
+
+    add_dmuon_args(p)  # --muon-* and --dmuon-* (megatron_muon/megatron/arguments.py)
+    # The example's Muon defaults: Nesterov, and an update RMS matched to AdamW's
+    # (spectral scale x 0.2, as Moonlight), so one --lr serves both parts of the model.
+    p.set_defaults(muon_nesterov=True, muon_extra_scale_factor=0.2,
+                   muon_fp32_matmul_prec="medium" if torch.cuda.is_available() else "highest")
+    return p.parse_args(argv)
+
+
+def check_args(args, world_size: int) -> None:
+    """Everything that can be wrong with the command line, as one clear message."""
+    from megatron_muon.megatron.arguments import DMuonArgumentError, validate_dmuon_args
+
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        raise UsageError("--tensor-model-parallel-size and --pipeline-model-parallel-size "
+                         "must be >= 1")
+    if world_size % (tp * pp) != 0:
+        raise UsageError(f"TP x PP = {tp} x {pp} = {tp * pp} does not divide the world size "
+                         f"{world_size} (DP = world / (TP x PP) must be a whole number)")
+    args.data_parallel_size = dp = world_size // (tp * pp)
+    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    args.num_query_groups = args.num_query_groups or args.num_attention_heads
+    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    for name, value, div, what in (
+            ("--num-attention-heads", args.num_attention_heads, tp, "TP"),
+            ("--num-query-groups", args.num_query_groups, tp, "TP"),
+            ("--num-layers", args.num_layers, pp, "PP"),
+            ("--hidden-size", args.hidden_size, args.num_attention_heads, "the number of heads"),
+            ("--num-attention-heads", args.num_attention_heads, args.num_query_groups,
+             "--num-query-groups"),
+            ("--global-batch-size", args.global_batch_size, args.micro_batch_size * dp,
+             f"micro batch x DP = {args.micro_batch_size} x {dp}")):
+        if value < 1 or value % div != 0:
+            raise UsageError(f"{name} {value} must be a positive multiple of {what} ({div})")
+    for name in ("train_iters", "seq_length", "micro_batch_size", "log_interval"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.lr <= 0 or args.min_lr < 0 or args.min_lr > args.lr:
+        raise UsageError(f"need 0 <= --min-lr <= --lr and --lr > 0 (got {args.min_lr}, {args.lr})")
+    if not 0 <= args.lr_warmup_iters <= args.lr_decay_iters:
+        raise UsageError("--lr-warmup-iters must be between 0 and --lr-decay-iters")
+    if args.save_interval is not None and (args.save is None or args.save_interval < 1):
+        raise UsageError("--save-interval needs --save DIR and a value >= 1")
+    if args.transformer_impl == "transformer_engine" and not torch.cuda.is_available():
+        raise UsageError("--transformer-impl transformer_engine needs CUDA")
+    args.use_distributed_optimizer = True  # this script always uses Megatron's ZeRO-1
+    try:
+        validate_dmuon_args(args)
+    except DMuonArgumentError as err:
+        raise UsageError(str(err)) from None
+    resolve_data(args)
+
+
+# =========================================================================== data
+class ByteTokenizer:
+    """Token = byte value; what Megatron's GPTDataset needs from a tokenizer."""
+
+    vocab_size = BYTE_VOCAB
+    eod = EOD
+    unique_identifiers = {"class": "ByteTokenizer", "vocab_size": BYTE_VOCAB, "eod": EOD}
+
+    @staticmethod
+    def detokenize(ids) -> str:
+        return bytes(int(i) for i in ids if 0 < int(i) < 256).decode("utf-8", errors="replace")
+
+
+def _is_text(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        return b"\0" not in fh.read(1 << 16)
+
+
+def stdlib_files() -> tuple[Path, list[Path]]:
+    """The standard library's ``*.py`` files (tests, demos and site-packages left out)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idle_test", "idlelib", "site-packages", "dist-packages",
+            "__pycache__", "lib2to3", "turtledemo", "ensurepip"}
+    files = []
+    for d, dirs, names in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in skip)
+        files += [Path(d) / n for n in sorted(names) if n.endswith(".py")]
+    return root, files
+
+
+def resolve_data(args) -> None:
+    """Decide what to train on; sets ``args.data`` (kind, name, files or prefix, fingerprint)."""
+    if args.data_path is None:
+        root, files = stdlib_files()
+        if not files:
+            raise UsageError(f"no Python sources found under {root}; pass --data-path")
+        kind, name = "text", "stdlib-py%d%d" % sys.version_info[:2]
+    else:
+        path = Path(args.data_path).expanduser()
+        if Path(str(path) + ".idx").is_file() and Path(str(path) + ".bin").is_file():
+            args.data = dict(kind="indexed", prefix=str(path), name=path.name)
+            check_indexed_dataset(str(path))
+            return
+        if not path.exists():
+            raise UsageError(f"--data-path {args.data_path}: no such file or directory "
+                             "(nor a .bin/.idx pair with that prefix)")
+        if path.is_file():
+            if path.suffix in (".bin", ".idx"):
+                raise UsageError(f"--data-path {args.data_path}: give the prefix of a Megatron "
+                                 f"dataset without .bin/.idx (and both files must exist)")
+            if path.stat().st_size == 0:
+                raise UsageError(f"--data-path {args.data_path}: the file is empty")
+            if not _is_text(path):
+                raise UsageError(f"--data-path {args.data_path}: not a text file (it contains "
+                                 "NUL bytes); give text, or a Megatron .bin/.idx prefix")
+            files = [path]
+        else:
+            files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
+                           and p.stat().st_size > 0 and _is_text(p))
+            if not files:
+                raise UsageError(f"--data-path {args.data_path}: no non-empty text files in "
+                                 "this directory")
+        kind, name = "text", path.name or "data"
+    h = hashlib.sha1()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    size = sum(f.stat().st_size for f in files)
+    if size < 2 * (args.seq_length + 1):
+        raise UsageError(f"--data-path {args.data_path}: only {size} bytes of text; need at "
+                         f"least {2 * (args.seq_length + 1)} for --seq-length {args.seq_length}")
+    args.data = dict(kind=kind, name=name, files=[str(f) for f in files],
+                     fingerprint=h.hexdigest()[:12], bytes=size)
+
+
+def check_indexed_dataset(prefix: str) -> None:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    problem, hook = None, sys.unraisablehook
+    sys.unraisablehook = lambda *_: None  # a half-built IndexedDataset complains in __del__
+    try:
+        try:
+            ds = IndexedDataset(prefix)
+            n = len(ds)
+            top = max((int(ds[i].max()) for i in range(min(n, 64)) if len(ds[i])), default=-1)
+        except Exception as err:  # a truncated or foreign file fails in many different ways
+            detail = str(err).splitlines()[0] if str(err) else ""
+            problem = f"{type(err).__name__}: {detail}" if detail else type(err).__name__
+    finally:  # `err` (and the half-built dataset) is gone by now
+        sys.unraisablehook = hook
+    if problem is not None:
+        raise UsageError(f"--data-path {prefix}: corrupt or unreadable Megatron dataset "
+                         f"({problem})")
+    if n == 0:
+        raise UsageError(f"--data-path {prefix}: the dataset has no documents")
+    if top >= BYTE_VOCAB:
+        raise UsageError(f"--data-path {prefix}: token ids go up to {top}, but this script "
+                         f"trains a byte-level model (ids < {BYTE_VOCAB})")
+
+
+def build_indexed_dataset(args) -> str:
+    """Tokenize the text files once into ``.bin``/``.idx`` (local rank 0), then barrier."""
+    import numpy
+    import torch.distributed as dist
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    if args.data["kind"] == "indexed":
+        return args.data["prefix"]
+    cache = Path(args.data_cache_dir).expanduser()
+    prefix = cache / f"{args.data['name']}-{args.data['fingerprint']}"
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not Path(f"{prefix}.idx").exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = Path(f"{prefix}.tmp{os.getpid()}")
+        builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=numpy.uint16)
+        for f in args.data["files"]:
+            data = Path(f).read_bytes().replace(b"\0", b"")
+            if data:
+                ids = numpy.frombuffer(data + bytes([EOD]), dtype=numpy.uint8).astype(numpy.int64)
+                builder.add_document(torch.from_numpy(ids), [len(ids)])
+        builder.finalize(f"{tmp}.idx")
+        os.replace(f"{tmp}.bin", f"{prefix}.bin")  # .idx last: its presence means "complete"
+        os.replace(f"{tmp}.idx", f"{prefix}.idx")
+    dist.barrier()
+    return str(prefix)
+
+
+def build_train_dataset(args, prefix: str):
+    """Megatron's GPTDataset: fixed-length samples, shuffled, cached indices."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder)
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=([prefix], None),
+        split="1,0,0", path_to_cache=os.path.join(args.data_cache_dir, "gpt_dataset_index"),
+        tokenizer=ByteTokenizer(), reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=False, create_attention_mask=False, mmap_bin_files=True)
+    num_samples = max(args.train_iters, args.lr_decay_iters) * args.global_batch_size
+    train, _, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [num_samples, None, None], lambda: True, config).build()
+    return train
+
+
+def get_microbatches(dataset, args, step: int, dp_rank: int) -> list[dict]:
+    """This DP rank's microbatches of iteration ``step`` (Megatron's pretraining sampler order).
+
+    The global batch of step s is samples [s * GBS, (s + 1) * GBS); microbatch j of DP rank d
+    is the slice starting at s * GBS + (j * DP + d) * micro_batch_size.  Every TP/PP rank of a
+    DP replica reads the same samples; the position in the data follows from ``step`` alone,
+    so a resumed run sees exactly the data an uninterrupted run would.
+    """
+    mbs, dp = args.micro_batch_size, args.data_parallel_size
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    batches = []
+    for j in range(args.global_batch_size // (mbs * dp)):
+        start = step * args.global_batch_size + (j * dp + dp_rank) * mbs
+        samples = [dataset[(start + b) % len(dataset)] for b in range(mbs)]
+        batches.append({k: torch.stack([s[k] for s in samples]).to(device)
+                        for k in ("tokens", "labels", "loss_mask", "position_ids")})
+    return batches
+
+
+# =========================================================================== model
+def padded_vocab_size(args) -> int:
+    multiple = 128 * args.tensor_model_parallel_size
+    return int(math.ceil(BYTE_VOCAB / multiple) * multiple)
+
+
+def use_transformer_engine(args) -> bool:
+    if args.transformer_impl == "local" or not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        if args.transformer_impl == "transformer_engine":
+            raise UsageError("--transformer-impl transformer_engine: transformer_engine "
+                             "does not import") from None
+        return False
+    return True
+
+
+def build_model(args) -> list:
+    """GPTModel for this rank's pipeline stage, wrapped in Megatron DDP (ZeRO-1 buffers)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_muon.testing.gpt import wire_ddp_hooks
+
+    on_gpu = torch.cuda.is_available()
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    cpu_only = {} if on_gpu else dict(  # fused kernels and p2p syncs that need CUDA
+        use_cpu_initialization=True, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, batch_p2p_sync=False)
+    config = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std, add_bias_linear=False,
+        gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        gradient_accumulation_fusion=False, **cpu_only)
+    if use_transformer_engine(args):
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec)
+
+        layer_spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        layer_spec = get_gpt_layer_local_spec()
+    model = GPTModel(config=config, transformer_layer_spec=layer_spec,
+                     vocab_size=padded_vocab_size(args), max_sequence_length=args.seq_length,
+                     pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=False, position_embedding_type="rope")
+    if on_gpu:
+        model.cuda(torch.cuda.current_device())
+    if args.bf16:
+        model = Float16Module(config, model)  # bf16 weights, fp32 logits/loss
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather)
+    model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]
+    wire_ddp_hooks(config, model, ddp_config)  # what Megatron-LM's training loop sets up
+    return model
+
+
+def build_optimizer(args, model):
+    """Megatron's optimizer factory (adam) or megatron_muon's (dmuon, muon_naive) + LR schedule."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_muon.megatron.arguments import dmuon_config_from_args
+    from megatron_muon.megatron.factory import get_megatron_optimizer
+
+    config = dmuon_config_from_args(args)  # a Megatron OptimizerConfig + muon_*/dmuon_* fields
+    optimizer = get_megatron_optimizer(config, model)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.lr_decay_iters,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
+        end_wd=args.weight_decay, wd_incr_steps=args.train_iters, wd_incr_style="constant")
+    return optimizer, scheduler
+
+
+# =========================================================================== training
+def forward_step(data_iterator, model):
+    """Megatron's forward_step_func: run one microbatch, return (output, loss_func)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def loss_func(loss_mask, output_tensor):
+    losses = output_tensor.float()
+    loss = (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+    return loss, {"lm loss": loss.detach().clone()}  # clone: Megatron scales `loss` in place
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def train_step(args, model, optimizer, batches) -> tuple[float, float, float, float]:
+    """One iteration: forward-backward over the microbatches, then the optimizer step."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    _sync()
+    t0 = time.perf_counter()
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(batches), model=model[0],
+        num_microbatches=len(batches), seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, forward_only=False)
+    _sync()
+    t1 = time.perf_counter()
+    _, grad_norm, _ = optimizer.step()  # DMuon: gather -> Newton-Schulz on owners -> scatter
+    _sync()
+    t2 = time.perf_counter()
+    loss = float(torch.stack([x["lm loss"] for x in losses]).mean()) if losses else float("nan")
+    return loss, float(grad_norm or 0.0), t1 - t0, t2 - t1
+
+
+def global_mean_loss(loss: float) -> float:
+    """Mean of the last pipeline stage's losses over DP (and TP copies), on every rank."""
+    import torch.distributed as dist
+
+    have = not math.isnan(loss)
+    t = torch.tensor([loss if have else 0.0, 1.0 if have else 0.0], dtype=torch.float64,
+                     device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(t)
+    return float(t[0] / t[1])
+
+
+def checkpoint_functions():
+    try:
+        from megatron_muon.megatron.checkpoint import load_checkpoint, save_checkpoint
+    except ImportError as err:
+        raise UsageError(f"--save/--load need megatron_muon.megatron.checkpoint ({err})") from None
+    return save_checkpoint, load_checkpoint
+
+
+def train(args) -> None:
+    """The per-rank program (under torchrun, or started by ``launch_local``)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_muon.megatron.cpu_mode import default_backend, enable_cpu_mode
+    from megatron_muon.testing.gpt import init_parallel
+
+    t_start = time.perf_counter()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    check_args(args, world)  # every rank checks, so every rank stops on bad input
+    enable_cpu_mode()  # no-op with CUDA
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    else:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group(backend=default_backend(), timeout=datetime.timedelta(minutes=10))
+    init_parallel(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                  seed=args.seed)  # Megatron's TP/PP/DP groups and RNG trackers
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    dp_rank = ps.get_data_parallel_rank()
+
+    say(f"pretrain_gpt: {world} ranks ({default_backend()}, "
+        f"{'cuda' if torch.cuda.is_available() else 'cpu'}) = "
+        f"TP{args.tensor_model_parallel_size} x PP{args.pipeline_model_parallel_size} x "
+        f"DP{args.data_parallel_size}, optimizer {args.optimizer}, megatron-core "
+        f"{_mcore_version()}")
+    t_data = time.perf_counter()
+    prefix = build_indexed_dataset(args)
+    dataset = build_train_dataset(args, prefix)
+    t_data = time.perf_counter() - t_data
+    what = args.data_path or "Python stdlib sources"
+    n_tokens = int(dataset.dataset.sequence_lengths.sum())
+    say(f"data: {what} -> {prefix}.bin ({n_tokens / 1e6:.1f} M byte tokens, {len(dataset)} "
+        f"samples of {args.seq_length} tokens), {t_data:.1f} s")
+
+    model = build_model(args)
+    optimizer, scheduler = build_optimizer(args, model)
+    n_params = sum(p.numel() for p in model[0].parameters())
+    counts = torch.tensor([n_params], dtype=torch.float64)
+    if torch.cuda.is_available():
+        counts = counts.cuda()
+    dist.all_reduce(counts)  # sum over ranks / DP copies = model size
+    say(f"model: GPT {args.num_layers} layers, hidden {args.hidden_size}, ffn "
+        f"{args.ffn_hidden_size}, {args.num_attention_heads} heads ({args.num_query_groups} "
+        f"query groups), seq {args.seq_length}, vocab {padded_vocab_size(args)}, "
+        f"{counts.item() / args.data_parallel_size / 1e6:.2f} M parameters, "
+        f"{'bf16' if args.bf16 else 'fp32'}, "
+        f"{'Transformer Engine' if use_transformer_engine(args) else 'local'} layers")
+    say(f"batch: global {args.global_batch_size} x {args.seq_length} tokens = micro "
+        f"{args.micro_batch_size} x {args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)}"
+        f" microbatches x DP {args.data_parallel_size}; lr {args.lr:g} ({args.lr_decay_style}, "
+        f"warmup {args.lr_warmup_iters}, min {args.min_lr:g}), wd {args.weight_decay:g}, "
+        f"clip {args.clip_grad:g}")
+    if args.optimizer != "adam":
+        say(f"muon: momentum {args.muon_momentum}, nesterov {args.muon_nesterov}, "
+            f"{args.muon_num_ns_steps} x {args.muon_coefficient_type} NS steps, scale "
+            f"{args.muon_scale_mode} x {args.muon_extra_scale_factor}, NS precision "
+            f"{args.muon_fp32_matmul_prec}")
+
+    start = 0
+    if args.load:
+        save_ckpt, load_ckpt = checkpoint_functions()
+        if os.path.exists(os.path.join(args.load, "latest")):
+            start = load_ckpt(args.load, model, optimizer, scheduler)
+            say(f"resumed from {args.load} at iteration {start}")
+        else:
+            say(f"--load {args.load}: no checkpoint there, starting from scratch")
+    if args.save:
+        save_ckpt, _ = checkpoint_functions()
+    t_setup = time.perf_counter() - t_start
+
+    tokens_per_step = args.global_batch_size * args.seq_length
+    log, last_logged = [], start
+    t_train = time.perf_counter()
+    for step in range(start, args.train_iters):
+        batches = get_microbatches(dataset, args, step, dp_rank)
+        loss, grad_norm, t_fb, t_opt = train_step(args, model, optimizer, batches)
+        lr = optimizer.param_groups[0]["lr"]
+        scheduler.step(increment=1)
+        loss = global_mean_loss(loss)
+        log.append(dict(iter=step + 1, loss=loss, lr=lr, grad_norm=grad_norm,
+                        fwd_bwd_ms=1e3 * t_fb, optimizer_ms=1e3 * t_opt))
+        if (step + 1) % args.log_interval == 0 or step + 1 in (start + 1, args.train_iters):
+            # Like Megatron-LM: loss and times are averages over the iterations since the
+            # last line (this rank's times; the summary takes the max over ranks).
+            recent = log[last_logged - start:]
+            avg = lambda key: sum(r[key] for r in recent) / len(recent)  # noqa: E731
+            fb_ms, opt_ms = avg("fwd_bwd_ms"), avg("optimizer_ms")
+            say(f" iter {step + 1:5d}/{args.train_iters} | loss {avg('loss'):7.4f} | "
+                f"lr {lr:.3e} | grad norm {grad_norm:6.3f} | "
+                f"{1e3 * tokens_per_step / (fb_ms + opt_ms):7.0f} tok/s | {fb_ms + opt_ms:7.1f} "
+                f"ms/step (fwd-bwd {fb_ms:.1f}, optimizer {opt_ms:.1f})")
+            last_logged = step + 1
+        if args.save and (step + 1 == args.train_iters or
+                          (args.save_interval and (step + 1) % args.save_interval == 0)):
+            path = save_ckpt(args.save, model, optimizer, step + 1, scheduler=scheduler)
+            say(f"saved checkpoint {path}")
+    t_train = time.perf_counter() - t_train
+
+    summary = summarize(args, log, start, t_setup, t_train, time.perf_counter() - t_start)
+    if rank == 0:
+        print_summary(args, summary)
+        if args.log_json:
+            Path(args.log_json).parent.mkdir(parents=True, exist_ok=True)
+            with open(args.log_json, "w") as fh:
+                json.dump(dict(args={k: v for k, v in vars(args).items() if k != "data"},
+                               data={k: v for k, v in args.data.items() if k != "files"},
+                               world_size=world, steps=log, summary=summary), fh, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _mcore_version() -> str:
+    import megatron.core
+
+    return getattr(megatron.core, "__version__", "?")
+
+
+def summarize(args, log, start, t_setup, t_train, t_total) -> dict:
+    """Step times as the max over ranks (the slowest rank sets the pace), first/last loss."""
+    import torch.distributed as dist
+
+    n = len(log)
+    times = torch.tensor([[r["fwd_bwd_ms"], r["optimizer_ms"]] for r in log] or [[0.0, 0.0]],
+                         dtype=torch.float64)
+    if torch.cuda.is_available():
+        times = times.cuda()
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    times = times.cpu()
+    for r, (fb, opt) in zip(log, times.tolist()):
+        r["fwd_bwd_ms"], r["optimizer_ms"], r["step_ms"] = fb, opt, fb + opt
+    skip = min(3, n // 5)  # the first iterations include one-time warm-up
+    steady = times[skip:] if n else times
+    fb, opt = (float(steady[:, 0].mean()), float(steady[:, 1].mean())) if n else (0.0, 0.0)
+    last = [r["loss"] for r in log[-10:]]
+    return dict(
+        optimizer=args.optimizer, iterations=n, first_iteration=start + 1,
+        first_loss=log[0]["loss"] if n else None, last_loss=log[-1]["loss"] if n else None,
+        mean_loss_last_10=sum(last) / len(last) if last else None,
+        fwd_bwd_ms=fb, optimizer_ms=opt, step_ms=fb + opt,
+        optimizer_share=opt / (fb + opt) if fb + opt > 0 else 0.0,
+        tokens_per_s=args.global_batch_size * args.seq_length / ((fb + opt) / 1e3)
+        if fb + opt > 0 else 0.0,
+        timing_skipped_iterations=skip, setup_s=t_setup, train_s=t_train, total_s=t_total)
+
+
+def print_summary(args, s: dict) -> None:
+    print("=" * 78)
+    print(f"summary: {args.optimizer}, TP{args.tensor_model_parallel_size} x "
+          f"PP{args.pipeline_model_parallel_size} x DP{args.data_parallel_size}, "
+          f"{s['iterations']} iterations ({s['first_iteration']}..{s['first_iteration'] + s['iterations'] - 1})")
+    if s["iterations"]:
+        print(f"  loss           first {s['first_loss']:.4f} -> last {s['last_loss']:.4f} "
+              f"(mean of last 10: {s['mean_loss_last_10']:.4f})")
+        print(f"  step time      {s['step_ms']:8.1f} ms  (mean over iterations after the first "
+              f"{s['timing_skipped_iterations']}, max over ranks), {s['tokens_per_s']:.0f} tokens/s")
+        print(f"    forward-backward {s['fwd_bwd_ms']:8.1f} ms  ({100 - 100 * s['optimizer_share']:5.1f} %)")
+        print(f"    optimizer step   {s['optimizer_ms']:8.1f} ms  ({100 * s['optimizer_share']:5.1f} %)")
+    print(f"  total time     {s['total_s']:.1f} s (setup {s['setup_s']:.1f} s, "
+          f"training {s['train_s']:.1f} s)")
+    print("=" * 78, flush=True)
+
+
+# =========================================================================== launching
+def launch_local(args, argv: list[str]) -> int:
+    """No torchrun environment: start ``--nproc`` ranks of this script (a tiny torchrun)."""
+    from megatron_muon.testing.launch import free_port
+
+    nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 4)
+    check_args(args, nproc)  # fail fast, before any process starts
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    port = free_port()
+    procs = []
+    for rank in range(nproc):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
+                                      env=env, start_new_session=True))
+    code = 0
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                code = failed[0]
+                break
+            if all(c == 0 for c in codes):
+                break
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        for p in procs:  # one rank failed (or Ctrl-C): stop the others, they would hang
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                    p.wait(timeout=10)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    try:
+                        os.killpg(p.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    p.wait()
+    if code == 0:
+        print(f"wall time {time.perf_counter() - T_LAUNCH:.1f} s ({nproc} ranks, including "
+              "process start-up and imports)", flush=True)
+    return code
+
+
+def _quiet_warnings(rank: int) -> None:
+    if rank != 0:
+        warnings.simplefilter("ignore")
+    for msg in (".*Transformer Engine and Apex are not installed.*", ".*absl.logging.*",
+                ".*Apex is not installed.*", ".*full scope is deprecated.*",
+                ".*The .grad attribute of a Tensor that is not a leaf.*",
+                ".*is deprecated. Please use.*", ".*Could not determine rank.*"):  # CPU noise
+        warnings.filterwarnings("ignore", message=msg)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    _quiet_warnings(int(os.environ.get("RANK", 0)) if under_launcher else 0)
+    try:
+        args = get_args(argv)
+        if under_launcher:
+            train(args)
+            return 0
+        return launch_local(args, argv)
+    except UsageError as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Save and resume model + optimizer (+ LR scheduler) with ``megatron.core.dist_checkpointing``.
+
+The optimizer state uses Megatron's ``fully_sharded_model_space`` format: every main
+param and momentum shard is a flattened slice of a model-space ShardedTensor, so a
+checkpoint written on one DP/TP layout loads on another (resharding is done by
+dist_checkpointing, not by us).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["save_checkpoint", "load_checkpoint", "SHARDING_TYPE"]
+
+SHARDING_TYPE = "fully_sharded_model_space"
+
+
+def _unwrap(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _model_state(model: list, is_loading: bool) -> dict:
+    model = [_unwrap(m) for m in model]
+    if len(model) == 1:
+        return {"model": model[0].sharded_state_dict()}
+    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(model)}
+
+
+def _sharded_state(model, optimizer, scheduler, step: int, is_loading: bool) -> dict:
+    state = _model_state(model, is_loading)
+    state["optimizer"] = optimizer.sharded_state_dict(
+        dict(state), is_loading=is_loading, metadata={"distrib_optim_sharding_type": SHARDING_TYPE})
+    state["iteration"] = step
+    if scheduler is not None:
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    return state
+
+
+def save_checkpoint(directory: str, model: list, optimizer, step: int, scheduler=None) -> str:
+    """Write ``directory/iter_{step:07d}`` and a ``latest`` pointer; returns the path."""
+    from megatron.core import dist_checkpointing
+
+    path = os.path.join(directory, f"iter_{step:07d}")
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(model, optimizer, scheduler, step, False), path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(directory, "latest"), "w") as fh:
+            fh.write(str(step))
+    dist.barrier()
+    return path
+
+
+def load_checkpoint(directory: str, model: list, optimizer, scheduler=None,
+                    step: Optional[int] = None) -> int:
+    """Load the latest (or ``step``) checkpoint in place; returns the step to resume from."""
+    from megatron.core import dist_checkpointing
+
+    if step is None:
+        latest = os.path.join(directory, "latest")
+        if not os.path.exists(latest):
+            raise FileNotFoundError(f"no checkpoint in {directory!r} (missing 'latest' file)")
+        with open(latest) as fh:
+            step = int(fh.read().strip())
+    path = os.path.join(directory, f"iter_{step:07d}")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+    state = dist_checkpointing.load(_sharded_state(model, optimizer, scheduler, step, True), path)
+    if len(model) == 1:
+        _unwrap(model[0]).load_state_dict(state["model"])
+    else:
+        for i, m in enumerate(model):
+            _unwrap(m).load_state_dict(state[f"model{i}"])
+    optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and "opt_param_scheduler" in state:
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+    return int(state["iteration"])

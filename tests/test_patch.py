@@ -1,0 +1,423 @@
+"""patches/megatron-lm-dmuon.patch and megatron_muon.megatron.arguments.
+
+* the patch applies cleanly to the ``megatron/training`` that megatron-core 0.19.2 ships
+  (the installed wheel's copy; identical to the sdist's), reverts, detects a tree that
+  does not match, and refuses a folder without Megatron-LM;
+* Megatron-LM's own (patched) argument parser accepts ``--optimizer dmuon`` with valid
+  flags, keeps the distributed optimizer on, and rejects bad values with messages that
+  name the flag (``megatron/training`` imports on Python 3.11 with a ``typing.override``
+  shim; it runs in a subprocess so this test session's modules stay untouched);
+* the patched ``setup_model_and_optimizer`` builds megatron_muon's DMuon optimizer;
+* ``add_dmuon_args`` on a plain argparse parser (every env, 0.16 included).
+
+Tests that need ``megatron/training`` skip where the installed megatron-core has none
+(megatron-core 0.16.x ships ``megatron/core`` only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import py_compile
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+APPLY = REPO / "patches" / "apply_patch.py"
+PATCH = REPO / "patches" / "megatron-lm-dmuon.patch"
+
+
+def _installed_training_dir():
+    spec = importlib.util.find_spec("megatron")
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(base) / "training" / "arguments.py").is_file():
+            return Path(base) / "training"
+    return None
+
+
+def _mcore_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("megatron-core")
+    except Exception:
+        return "unknown"
+
+
+TRAINING = _installed_training_dir()
+needs_training = pytest.mark.skipif(
+    TRAINING is None,
+    reason=f"megatron-core {_mcore_version()} ships no megatron/training (only 0.17+ wheels and "
+           "sdists do); the patch targets 0.19.2 - run in the mc19 env")
+
+
+def _apply(*args, cwd=None):
+    return subprocess.run([sys.executable, str(APPLY), *map(str, args)], capture_output=True,
+                          text=True, timeout=60, cwd=cwd)
+
+
+def _copy_tree(dest: Path, files=None) -> Path:
+    """dest/megatron/training with the installed files (all, or just ``files``)."""
+    target = dest / "megatron" / "training"
+    if files is None:
+        shutil.copytree(TRAINING, target, ignore=shutil.ignore_patterns("__pycache__"))
+    else:
+        target.mkdir(parents=True)
+        for name in files:
+            shutil.copy(TRAINING / name, target / name)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def patched_tree(tmp_path_factory):
+    if TRAINING is None:
+        pytest.skip("no megatron/training in this env")
+    root = _copy_tree(tmp_path_factory.mktemp("mlm"))
+    out = _apply(root)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return root
+
+
+# --------------------------------------------------------------------------- the patch file
+@needs_training
+@pytest.mark.timeout(120)
+def test_patch_applies_cleanly_and_reverts(tmp_path):
+    root = _copy_tree(tmp_path, ["arguments.py", "training.py"])
+    original = {n: (root / "megatron/training" / n).read_text() for n in ("arguments.py", "training.py")}
+
+    check = _apply("--check", root)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "applies cleanly" in check.stdout
+    assert (root / "megatron/training/arguments.py").read_text() == original["arguments.py"]
+
+    done = _apply(root / "megatron")  # the megatron/ folder itself is accepted too
+    assert done.returncode == 0, done.stdout + done.stderr
+    args_py = (root / "megatron/training/arguments.py").read_text()
+    train_py = (root / "megatron/training/training.py").read_text()
+    assert "'dmuon', 'muon_naive'" in args_py and "add_dmuon_args" in args_py
+    assert "validate_dmuon_args(args)" in args_py
+    assert "from megatron_muon.megatron.factory import get_megatron_optimizer" in train_py
+    for name in ("arguments.py", "training.py"):
+        py_compile.compile(str(root / "megatron/training" / name), doraise=True,
+                           cfile=str(tmp_path / f"{name}c"))
+    assert not list(root.rglob("*.orig")) and not list(root.rglob("*.rej"))
+
+    again = _apply(root)
+    assert again.returncode == 0 and "already applied" in again.stdout
+
+    back = _apply("--revert", root)
+    assert back.returncode == 0, back.stdout + back.stderr
+    for name, text in original.items():
+        assert (root / "megatron/training" / name).read_text() == text
+
+
+@needs_training
+@pytest.mark.timeout(120)
+def test_patch_reports_a_tree_that_does_not_match(tmp_path):
+    root = _copy_tree(tmp_path, ["arguments.py", "training.py"])
+    args_py = root / "megatron/training/arguments.py"
+    changed = args_py.read_text().replace("if args.optimizer not in ('sgd', 'adam'):",
+                                          "if args.optimizer not in ('sgd', 'adam', 'lion'):")
+    args_py.write_text(changed)
+    out = _apply(root)
+    assert out.returncode == 1
+    assert "does not apply cleanly" in out.stderr and "nothing was changed" in out.stderr
+    assert "FAILED" in out.stderr  # which hunk did not fit
+    assert args_py.read_text() == changed
+    assert "_add_dmuon_args" not in (root / "megatron/training/arguments.py").read_text()
+
+
+@pytest.mark.timeout(60)
+def test_apply_script_refuses_a_folder_without_megatron_training(tmp_path):
+    out = _apply(tmp_path)
+    assert out.returncode != 0
+    assert "does not contain megatron/training/arguments.py" in out.stderr + out.stdout
+
+
+def test_patch_header_names_the_version():
+    text = PATCH.read_text()
+    assert "megatron-core 0.19.2" in text
+    assert "+++ b/megatron/training/arguments.py" in text
+    assert "+++ b/megatron/training/training.py" in text
+
+
+# --------------------------------------------------------------------------- patched Megatron-LM
+_SHIM = """
+import typing
+if not hasattr(typing, "override"):  # Megatron-LM 0.19 imports typing.override (3.12+)
+    import typing_extensions
+    typing.override = typing_extensions.override
+"""
+
+_PARSER_DRIVER = _SHIM + r"""
+import io, json, sys, contextlib
+import megatron.training.arguments as A
+import megatron.training.training as T
+from megatron_muon.megatron.arguments import DMuonArgumentError, dmuon_config_from_args
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "5",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--mock-data"]
+assert A.__file__.startswith(sys.argv[1]), A.__file__  # the patched copy, not site-packages
+results = {}
+for name, extra in json.loads(sys.argv[2]).items():
+    sys.argv = ["pretrain_gpt.py"] + BASE + extra
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            args = A.parse_args()
+            A.validate_args(args)
+    except SystemExit as e:
+        results[name] = {"status": "argparse", "message": err.getvalue().strip().splitlines()[-1]}
+        continue
+    except (DMuonArgumentError, AssertionError) as e:
+        results[name] = {"status": "invalid", "message": str(e)}
+        continue
+    r = {"status": "ok", "optimizer": args.optimizer,
+         "use_distributed_optimizer": args.use_distributed_optimizer,
+         "layer_wise": args.use_layer_wise_distributed_optimizer}
+    for k in ("muon_momentum", "muon_nesterov", "muon_coefficient_type", "muon_num_ns_steps",
+              "muon_fp32_matmul_prec", "dmuon_plan_cost", "dmuon_split_fc1"):
+        r[k] = getattr(args, k)
+    if args.optimizer in ("dmuon", "muon_naive"):
+        base, _ = T.get_megatron_optimizer_config(args)
+        cfg = dmuon_config_from_args(args, base)
+        r["config"] = {"type": type(cfg).__name__, "lr": cfg.lr, "optimizer": cfg.optimizer,
+                       "muon_nesterov": cfg.muon_nesterov, "plan": cfg.dmuon_plan_cost,
+                       "clip_grad": cfg.clip_grad}
+    results[name] = r
+groups = [g.title for g in A.add_megatron_arguments(__import__("argparse").ArgumentParser())._action_groups]
+results["_groups"] = groups
+print("RESULTS " + json.dumps(results))
+"""
+
+GOOD = ["--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-nesterov",
+        "--muon-coefficient-type", "polar_express", "--muon-num-ns-steps", "8",
+        "--muon-fp32-matmul-prec", "highest", "--dmuon-plan-cost", "tuner", "--dmuon-split-fc1"]
+CASES = {
+    "good": GOOD,
+    "naive": ["--optimizer", "muon_naive", "--use-distributed-optimizer"],
+    "adam": ["--optimizer", "adam", "--use-distributed-optimizer"],
+    "bad_coeff": GOOD + ["--muon-coefficient-type", "bogus"],
+    "bad_steps": GOOD + ["--muon-num-ns-steps", "0"],
+    "bad_momentum": GOOD + ["--muon-momentum", "1.0"],
+    "no_distopt": ["--optimizer", "dmuon", "--muon-nesterov"],
+    "bad_prec": GOOD + ["--muon-fp32-matmul-prec", "low"],
+    "bad_scalar": GOOD + ["--muon-scalar-optimizer", "lion"],
+    "bad_plan_choice": GOOD + ["--dmuon-plan-cost", "magic"],
+    "bad_optimizer": ["--optimizer", "dmuonn", "--use-distributed-optimizer"],
+}
+
+
+@pytest.fixture(scope="module")
+def parsed(patched_tree):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(patched_tree), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", _PARSER_DRIVER, str(patched_tree),
+                          json.dumps(CASES)], capture_output=True, text=True, timeout=240, env=env)
+    lines = [l for l in out.stdout.splitlines() if l.startswith("RESULTS ")]
+    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+@needs_training
+@pytest.mark.timeout(300)
+def test_patched_parser_accepts_dmuon(parsed):
+    good = parsed["good"]
+    assert good["status"] == "ok", good
+    assert good["optimizer"] == "dmuon"
+    assert good["use_distributed_optimizer"] is True and good["layer_wise"] is False
+    assert good["muon_nesterov"] is True and good["muon_coefficient_type"] == "polar_express"
+    assert good["muon_num_ns_steps"] == 8 and good["muon_fp32_matmul_prec"] == "highest"
+    assert good["dmuon_plan_cost"] == "tuner" and good["dmuon_split_fc1"] is True
+    assert good["muon_momentum"] == 0.9  # Megatron-LM's own flag and default, not re-registered
+    assert good["config"] == {"type": "DMuonOptimizerConfig", "lr": 1e-3, "optimizer": "dmuon",
+                              "muon_nesterov": True, "plan": "tuner", "clip_grad": 1.0}
+    assert parsed["naive"]["status"] == "ok" and parsed["naive"]["layer_wise"] is False
+    assert parsed["adam"]["status"] == "ok" and parsed["adam"]["use_distributed_optimizer"]
+    assert "dmuon" in parsed["_groups"]
+
+
+@needs_training
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case,status,message", [
+    ("bad_coeff", "invalid", "--muon-coefficient-type 'bogus' is unknown"),
+    ("bad_steps", "invalid", "--muon-num-ns-steps must be an integer >= 1, got 0"),
+    ("bad_momentum", "invalid", "--muon-momentum must be in [0, 1), got 1.0"),
+    ("no_distopt", "invalid", "--optimizer dmuon needs --use-distributed-optimizer"),
+    ("bad_prec", "invalid", "--muon-fp32-matmul-prec 'low' is not supported by dmuon"),
+    ("bad_scalar", "invalid", "--muon-scalar-optimizer lion is not supported"),
+    ("bad_plan_choice", "argparse", "argument --dmuon-plan-cost: invalid choice: 'magic'"),
+    ("bad_optimizer", "argparse", "argument --optimizer: invalid choice: 'dmuonn'"),
+])
+def test_patched_parser_rejects_bad_values(parsed, case, status, message):
+    assert parsed[case]["status"] == status, parsed[case]
+    assert message in parsed[case]["message"], parsed[case]["message"]
+
+
+_SETUP_DRIVER = _SHIM + r"""
+import datetime, os, sys
+import torch.distributed as dist
+from megatron_muon.megatron.cpu_mode import default_backend, enable_cpu_mode
+enable_cpu_mode()
+dist.init_process_group(default_backend(), timeout=datetime.timedelta(seconds=120))
+import megatron.training.arguments as A
+import megatron.training.training as T
+from megatron.core import parallel_state as ps
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.training.global_vars import get_args, set_global_variables
+
+sys.argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
+    "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "5",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--mock-data",
+    "--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--no-bias-dropout-fusion",
+    "--no-masked-softmax-fusion", "--no-persist-layer-norm", "--no-rope-fusion",
+    "--transformer-impl", "local", "--position-embedding-type", "rope",
+    "--untie-embeddings-and-output-weights",
+    "--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-nesterov",
+    "--muon-coefficient-type", "simple", "--muon-fp32-matmul-prec", "highest"]
+args = A.parse_args()
+A.validate_args(args)
+set_global_variables(args, build_tokenizer=False)
+ps.initialize_model_parallel(1, 1)
+model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, **kwargs):
+    cfg = A.core_transformer_config_from_args(get_args())
+    cfg.batch_p2p_sync = False
+    return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=256,
+                    max_sequence_length=32, pre_process=pre_process, post_process=post_process,
+                    share_embeddings_and_output_weights=False, position_embedding_type="rope")
+
+model, optimizer, scheduler = T.setup_model_and_optimizer(ModelType.encoder_or_decoder,
+                                                          model_provider)
+subs = [type(o).__name__ for o in optimizer.chained_optimizers]
+cfg = optimizer.chained_optimizers[0].config
+print("SETUP", type(optimizer).__name__, ",".join(subs), type(cfg).__name__, cfg.optimizer,
+      cfg.muon_coefficient_type, type(scheduler).__name__)
+dist.destroy_process_group()
+"""
+
+
+@needs_training
+@pytest.mark.timeout(300)
+def test_patched_training_builds_dmuon_optimizer(patched_tree):
+    """Megatron-LM's own setup_model_and_optimizer, patched, on one CPU rank (gloo)."""
+    from megatron_muon.testing.launch import free_port
+
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(patched_tree), str(REPO),
+                                           os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", _SETUP_DRIVER], capture_output=True,
+                         text=True, timeout=240, env=env)
+    lines = [l for l in out.stdout.splitlines() if l.startswith("SETUP ")]
+    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
+    assert lines[-1].split()[1:] == [
+        "ChainedOptimizer", "DMuonDistributedOptimizer,SubsetDistributedOptimizer",
+        "DMuonOptimizerConfig", "dmuon", "simple", "OptimizerParamScheduler"]
+
+
+# --------------------------------------------------------------------------- plain argparse
+def _plain_parser():
+    from megatron_muon.megatron.arguments import add_dmuon_args
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    p.add_argument("--use-distributed-optimizer", action="store_true")
+    p.add_argument("--lr", type=float, default=1e-3)
+    return add_dmuon_args(p)
+
+
+def test_add_dmuon_args_on_a_plain_parser():
+    from megatron_muon.megatron.arguments import (DMUON_ARGUMENTS, MUON_ARGUMENTS,
+                                                  dmuon_config_from_args, validate_dmuon_args)
+    from megatron_muon.megatron.config import DMuonOptimizerConfig
+
+    p = _plain_parser()
+    dests = {a.dest for a in p._actions}
+    assert set(MUON_ARGUMENTS) | set(DMUON_ARGUMENTS) <= dests
+    assert "dmuon" in [g.title for g in p._action_groups]
+    args = p.parse_args(["--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-nesterov",
+                         "--muon-coefficient-type", "simple", "--muon-num-ns-steps", "7",
+                         "--muon-no-split-qkv", "--dmuon-adam-params", "linear_proj"])
+    assert validate_dmuon_args(args) is args
+    cfg = dmuon_config_from_args(args)
+    assert isinstance(cfg, DMuonOptimizerConfig)
+    assert (cfg.optimizer, cfg.muon_nesterov, cfg.muon_coefficient_type, cfg.muon_num_ns_steps,
+            cfg.muon_split_qkv, cfg.dmuon_adam_params, cfg.lr) == (
+        "dmuon", True, "simple", 7, False, "linear_proj", 1e-3)
+    defaults = p.parse_args([])
+    assert defaults.muon_momentum == DMuonOptimizerConfig.muon_momentum
+    assert defaults.dmuon_plan_cost == "flops" and defaults.dmuon_log_plan is True
+    # Calling it twice (or on a parser that has the flags) registers nothing twice.
+    from megatron_muon.megatron.arguments import add_dmuon_args
+
+    add_dmuon_args(p)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--muon-coefficient-type", "bogus"], "--muon-coefficient-type 'bogus' is unknown"),
+    (["--muon-num-ns-steps", "0"], "--muon-num-ns-steps must be an integer >= 1"),
+    (["--muon-momentum", "-0.1"], "--muon-momentum must be in [0, 1)"),
+    (["--muon-extra-scale-factor", "0"], "--muon-extra-scale-factor must be a finite number > 0"),
+    (["--dmuon-adam-params", "(unclosed"], "--dmuon-adam-params '(unclosed' is not a valid"),
+])
+def test_validate_dmuon_args_messages(argv, message):
+    from megatron_muon.megatron.arguments import DMuonArgumentError, validate_dmuon_args
+
+    args = _plain_parser().parse_args(["--optimizer", "dmuon", "--use-distributed-optimizer", *argv])
+    with pytest.raises(DMuonArgumentError) as err:
+        validate_dmuon_args(args)
+    assert message in str(err.value)
+
+
+def test_validate_needs_distributed_optimizer_and_skips_adam():
+    from megatron_muon.megatron.arguments import DMuonArgumentError, validate_dmuon_args
+
+    p = _plain_parser()
+    with pytest.raises(DMuonArgumentError, match="needs --use-distributed-optimizer"):
+        validate_dmuon_args(p.parse_args(["--optimizer", "muon_naive"]))
+    # adam: muon values are not this optimizer's business
+    validate_dmuon_args(p.parse_args(["--optimizer", "adam", "--muon-num-ns-steps", "0"]))
+
+
+def test_validate_with_parser_exits_cleanly(capsys):
+    from megatron_muon.megatron.arguments import validate_dmuon_args
+
+    p = _plain_parser()
+    with pytest.raises(SystemExit) as exc:
+        validate_dmuon_args(p.parse_args(["--optimizer", "dmuon", "--use-distributed-optimizer",
+                                          "--muon-momentum", "1.5"]), parser=p)
+    assert exc.value.code == 2
+    assert "error: --muon-momentum must be in [0, 1), got 1.5" in capsys.readouterr().err
+
+
+def test_megatron_lm_flags_are_reused_not_duplicated():
+    """On a parser that already has Megatron-LM's --muon-* flags, only --dmuon-* are added."""
+    from megatron_muon.megatron.arguments import add_dmuon_args
+
+    p = argparse.ArgumentParser()
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "muon"])
+    g.add_argument("--muon-momentum", type=float, default=0.9)
+    g.add_argument("--muon-nesterov", action="store_true")
+    g.add_argument("--muon-fp32-matmul-prec", default="medium", choices=["low", "medium", "high"])
+    g.add_argument("--muon-no-split-qkv", action="store_false", default=True, dest="muon_split_qkv")
+    add_dmuon_args(p)  # would raise argparse.ArgumentError on a duplicate
+    a = p.parse_args(["--optimizer", "dmuon", "--muon-fp32-matmul-prec", "highest",
+                      "--dmuon-check-finite"])
+    assert a.optimizer == "dmuon" and a.muon_momentum == 0.9 and a.dmuon_check_finite
+    assert a.muon_fp32_matmul_prec == "highest"
+    assert p.parse_args(["--optimizer", "muon_naive"]).optimizer == "muon_naive"
