@@ -108,6 +108,9 @@ def _dmuon_arguments():
         ("dmuon_ns_backend", "--dmuon-ns-backend",
          dict(type=str, choices=["auto", "torch", "triton"], help="Batched Newton-Schulz "
               "implementation on the owners.")),
+        ("dmuon_locality_slack", "--dmuon-locality-slack",
+         dict(type=float, help="Owner plan: a unit goes to the rank holding most of it while "
+              "that rank stays within (1 + slack) x the mean Newton-Schulz load.")),
         ("dmuon_log_plan", "--dmuon-no-log-plan",
          dict(action="store_false", help="Do not log the owner plan at construction.")),
         ("dmuon_check_finite", "--dmuon-check-finite",
@@ -121,8 +124,8 @@ MUON_ARGUMENTS = ("muon_momentum", "muon_nesterov", "muon_num_ns_steps",
                   "muon_coefficient_type", "muon_scale_mode", "muon_extra_scale_factor",
                   "muon_fp32_matmul_prec", "muon_split_qkv")
 DMUON_ARGUMENTS = ("dmuon_split_fc1", "dmuon_adam_params", "dmuon_plan_cost",
-                   "dmuon_tuner_cache", "dmuon_ns_backend", "dmuon_log_plan",
-                   "dmuon_check_finite", "dmuon_placement")
+                   "dmuon_tuner_cache", "dmuon_ns_backend", "dmuon_locality_slack",
+                   "dmuon_log_plan", "dmuon_check_finite", "dmuon_placement")
 
 
 def _existing(parser: argparse.ArgumentParser, dest: str, option: str):
@@ -217,6 +220,9 @@ def validate_dmuon_args(args: Any, parser: Optional[argparse.ArgumentParser] = N
         _fail(f"--optimizer {optimizer} does not support --context-parallel-size > 1 yet", parser)
     if get("fp16"):
         _fail(f"--optimizer {optimizer} supports fp32 and --bf16 training; not --fp16", parser)
+    slack = get("dmuon_locality_slack", 0.0)
+    if not isinstance(slack, (int, float)) or not math.isfinite(slack) or slack < 0:
+        _fail(f"--dmuon-locality-slack must be a finite number >= 0, got {slack}", parser)
     regex = get("dmuon_adam_params")
     if regex is not None:
         try:

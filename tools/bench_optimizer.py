@@ -1,0 +1,159 @@
+"""Optimizer-step benchmark: AdamW vs muon_naive vs dmuon (vs Megatron-Core's own Muon).
+
+One command, one run, the same model for every optimizer:
+
+    python tools/bench_optimizer.py --nproc 4 --tp 1          # DP4
+    python tools/bench_optimizer.py --nproc 4 --tp 2          # TP2 x DP2
+
+For each optimizer it builds the tiny-but-not-trivial GPT, runs warm-up steps, then times
+``optimizer.step()`` (barrier before and after, so the slowest rank counts) and reports
+bytes sent/received per rank in the Muon exchange and Muon state bytes per rank.
+Megatron-Core's layer-wise distributed Muon (``optimizer='muon'``) is included when the
+installed megatron-core has it and ``emerging_optimizers`` imports; otherwise the table
+says why it is missing.  CPU numbers are ratios from one run, not absolute claims.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _mcore_muon_config(base: dict, tp_mode: str):
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(optimizer="muon", use_layer_wise_distributed_optimizer=True,
+                           use_distributed_optimizer=False, muon_tp_mode=tp_mode,
+                           muon_momentum=0.95, muon_num_ns_steps=base["ns_steps"],
+                           muon_fp32_matmul_prec=base["prec"], muon_coefficient_type="quintic",
+                           lr=1e-3, weight_decay=0.01, bf16=False)
+
+
+def worker(cfg: dict, tp: int, optimizers: list, steps: int, warmup: int, prec: str,
+           ns_steps: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_muon.megatron.factory import get_megatron_optimizer
+    from megatron_muon.testing.gpt import TinyGPTConfig, build_gpt, init_parallel, layout_ranks, train_step
+    from megatron_muon.testing.workers import make_optimizer_config
+
+    gcfg = TinyGPTConfig(**cfg)
+    out = {}
+    for name in optimizers:
+        init_parallel(tp=tp, pp=1, seed=gcfg.seed)
+        try:
+            if name.startswith("mcore_muon"):
+                from megatron.core.optimizer import get_megatron_optimizer as mcore_get
+
+                ocfg = _mcore_muon_config(dict(ns_steps=ns_steps, prec=prec),
+                                          "duplicated" if name.endswith("duplicated") else "blockwise")
+                model = build_gpt(gcfg, ddp_config=DistributedDataParallelConfig(
+                    use_distributed_optimizer=False))
+                optim = mcore_get(ocfg, model)
+            else:
+                ocfg = make_optimizer_config(name, lr=1e-3, muon_fp32_matmul_prec=prec,
+                                             muon_num_ns_steps=ns_steps, dmuon_log_plan=False)
+                model = build_gpt(gcfg, ddp_config=DistributedDataParallelConfig(
+                    use_distributed_optimizer=True, grad_reduce_in_fp32=True))
+                optim = get_megatron_optimizer(ocfg, model)
+        except Exception as e:  # reported in the table, not hidden
+            out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+            continue
+        lr = layout_ranks()
+        times = []
+        for step in range(warmup + steps):
+            train_step(model, None, gcfg, step, lr["dp"], lr["dp_size"])  # grads only
+            dist.barrier()
+            t0 = time.perf_counter()
+            optim.step()
+            dist.barrier()
+            if step >= warmup:
+                times.append(time.perf_counter() - t0)
+        rec = {"step_s": statistics.median(times)}
+        for sub in getattr(optim, "chained_optimizers", [optim]):
+            if hasattr(sub, "dmuon_stats"):
+                st = sub.dmuon_stats()
+                per = warmup + steps
+                rec.update(sent=st["comm"]["bytes_sent"] / per,
+                           received=st["comm"]["bytes_received"] / per,
+                           state=st["state_bytes"], muon_bytes=4 * st["muon_numel"],
+                           imbalance=st["plan_imbalance"])
+        out[name] = rec
+        del optim, model
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=384)
+    p.add_argument("--ffn-hidden-size", type=int, default=1536)
+    p.add_argument("--num-attention-heads", type=int, default=6)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--ns-steps", type=int, default=5)
+    p.add_argument("--muon-fp32-matmul-prec", default="highest", choices=["highest", "high", "medium"])
+    p.add_argument("--optimizers", default="adam,muon_naive,dmuon,mcore_muon_duplicated,mcore_muon_blockwise")
+    p.add_argument("--json", default=None, help="also write the results here")
+    a = p.parse_args(argv)
+
+    from megatron_muon.testing.launch import run_ranks
+
+    cfg = dict(num_layers=a.num_layers, hidden_size=a.hidden_size, ffn_hidden_size=a.ffn_hidden_size,
+               num_attention_heads=a.num_attention_heads, num_query_groups=None, vocab_size=256,
+               seq_length=32, micro_batch_size=2, num_microbatches=1)
+    opts = [o for o in a.optimizers.split(",") if o]
+    t0 = time.time()
+    res = run_ranks("tools.bench_optimizer:worker", a.nproc,
+                    dict(cfg=cfg, tp=a.tp, optimizers=opts, steps=a.steps, warmup=a.warmup,
+                         prec=a.muon_fp32_matmul_prec, ns_steps=a.ns_steps),
+                    timeout=3000, env={"PYTHONPATH": os.getcwd()})
+    dp = a.nproc // a.tp
+    print(f"# optimizer-step benchmark: {a.nproc} ranks (TP{a.tp} x DP{dp}), {a.num_layers} layers, "
+          f"hidden {a.hidden_size}, ffn {a.ffn_hidden_size}, NS {a.ns_steps} steps "
+          f"({a.muon_fp32_matmul_prec}), median of {a.steps} steps; wall {time.time() - t0:.0f}s")
+    print(f"# command: python tools/bench_optimizer.py {' '.join(argv or sys.argv[1:])}")
+    def slowest(name):
+        if name not in res[0] or "error" in res[0][name]:
+            return None
+        return max(r[name]["step_s"] for r in res)
+
+    base, naive = slowest("dmuon"), slowest("muon_naive")
+    print(f"{'optimizer':24s} {'step ms':>9s} {'vs dmuon':>9s} {'naive/x':>8s} "
+          f"{'sent KiB/r':>11s} {'recv KiB/r':>11s} {'state KiB/r':>12s}")
+    for name in opts:
+        r0 = res[0].get(name, {})
+        if "error" in r0:
+            print(f"{name:24s} unavailable: {r0['error']}")
+            continue
+        step = max(r[name]["step_s"] for r in res)
+        sent = max(r[name].get("sent", 0) for r in res) / 1024
+        recv = max(r[name].get("received", 0) for r in res) / 1024
+        state = max(r[name].get("state", 0) for r in res) / 1024
+        rel = f"{step / base:8.2f}x" if base else "      -"
+        nv = f"{naive / step:7.2f}x" if naive else "     -"
+        print(f"{name:24s} {1e3 * step:9.1f} {rel:>9s} {nv:>8s} {sent:11.1f} {recv:11.1f} {state:12.1f}")
+    if "dmuon" in res[0] and "muon_bytes" in res[0]["dmuon"]:
+        mb = res[0]["dmuon"]["muon_bytes"]
+        n = a.nproc
+        print(f"# Muon matrix bytes per stage {mb / 1024:.0f} KiB; bound 2(N-1)/N^2 x that = "
+              f"{2 * (n - 1) / n**2 * mb / 1024:.0f} KiB per rank per step; "
+              f"dmuon plan imbalance {100 * res[0]['dmuon']['imbalance']:.1f}%")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(res, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
