@@ -57,12 +57,12 @@ import sys
 import sysconfig
 import time
 import warnings
-
-T_LAUNCH = time.perf_counter()
 from functools import partial
 from pathlib import Path
 
-import torch
+T_LAUNCH = time.perf_counter()  # before importing torch: the wall time reported includes it
+
+import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 if (REPO / "megatron_muon").is_dir() and str(REPO) not in sys.path:
@@ -219,10 +219,14 @@ def _is_text(path: Path) -> bool:
 
 
 def stdlib_files() -> tuple[Path, list[Path]]:
-    """The standard library's ``*.py`` files (tests, demos and site-packages left out)."""
+    """The standard library's ``*.py`` files: code, docstrings and comments.
+
+    Left out: tests, demos, site-packages, and generated tables (codec maps in encodings/,
+    pydoc's topic dump) that are not representative text.
+    """
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"test", "tests", "idle_test", "idlelib", "site-packages", "dist-packages",
-            "__pycache__", "lib2to3", "turtledemo", "ensurepip"}
+            "__pycache__", "lib2to3", "turtledemo", "ensurepip", "encodings", "pydoc_data"}
     files = []
     for d, dirs, names in os.walk(root):
         dirs[:] = sorted(x for x in dirs if x not in skip)
@@ -547,6 +551,7 @@ def train(args) -> None:
     n_tokens = int(dataset.dataset.sequence_lengths.sum())
     say(f"data: {what} -> {prefix}.bin ({n_tokens / 1e6:.1f} M byte tokens, {len(dataset)} "
         f"samples of {args.seq_length} tokens), {t_data:.1f} s")
+    say(f"      a sample: {ByteTokenizer.detokenize(dataset[0]['tokens'][:72])!r}")
 
     model = build_model(args)
     optimizer, scheduler = build_optimizer(args, model)

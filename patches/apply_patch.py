@@ -20,7 +20,6 @@ Exit codes: 0 applied / reverted / check passed, 1 does not apply, 2 bad usage.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
 import subprocess

@@ -367,12 +367,27 @@ def test_add_dmuon_args_on_a_plain_parser():
     add_dmuon_args(p)
 
 
+def test_every_config_field_has_a_flag():
+    """A new muon_*/dmuon_* field in DMuonOptimizerConfig needs its command-line flag here."""
+    import dataclasses
+
+    from megatron_muon.megatron.arguments import DMUON_ARGUMENTS, MUON_ARGUMENTS
+    from megatron_muon.megatron.config import DMuonOptimizerConfig
+
+    own = {f.name for f in dataclasses.fields(DMuonOptimizerConfig)
+           if f.name.startswith(("muon_", "dmuon_")) and f.init}
+    megatron_only = {"muon_tp_mode", "muon_use_nesterov", "muon_scalar_optimizer"}
+    assert own - megatron_only <= set(MUON_ARGUMENTS) | set(DMUON_ARGUMENTS)
+    assert {d for d in _plain_parser().parse_args([]).__dict__} >= set(DMUON_ARGUMENTS)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--muon-coefficient-type", "bogus"], "--muon-coefficient-type 'bogus' is unknown"),
     (["--muon-num-ns-steps", "0"], "--muon-num-ns-steps must be an integer >= 1"),
     (["--muon-momentum", "-0.1"], "--muon-momentum must be in [0, 1)"),
     (["--muon-extra-scale-factor", "0"], "--muon-extra-scale-factor must be a finite number > 0"),
     (["--dmuon-adam-params", "(unclosed"], "--dmuon-adam-params '(unclosed' is not a valid"),
+    (["--dmuon-locality-slack", "-1"], "--dmuon-locality-slack must be a finite number >= 0"),
 ])
 def test_validate_dmuon_args_messages(argv, message):
     from megatron_muon.megatron.arguments import DMuonArgumentError, validate_dmuon_args

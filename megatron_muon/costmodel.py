@@ -1,0 +1,1164 @@
+"""Cluster cost model: optimizer-step time, bytes, memory and balance of every Muon mode.
+
+Predicts, for a model config, a parallel layout, a hardware profile and an optimizer mode,
+what one training step costs per rank:
+
+- ``opt_s``: the optimizer step on the critical path when nothing overlaps it (what
+  ``tools/bench_optimizer.py`` measures: elementwise updates, Newton-Schulz (NS), the Muon
+  exchange, and the ZeRO parameter all-gather when it is not overlapped);
+- ``exposed_s``: the part of the optimizer's work that the training step waits for;
+- ``step_s``: forward/backward compute (an assumed MFU) + exposed gradient sync + ``exposed_s``;
+- bytes per rank, memory per rank (weights, grads, optimizer state, Muon workspace; not
+  activations) and the plan imbalance (max / mean - 1 of the per-rank NS cost).
+
+Who owns which unit comes from the project's own planner (``plan.plan_owners``) run on the
+real unit list (Megatron's fused QKV split into Q, K and V; fc1; fc2; proj; the router;
+one unit per expert), over the real ZeRO-1 layout (Megatron's buffer order and padding,
+so the locality-aware plan sees what each DP shard holds).  Megatron-Core's layer-wise
+Muon uses Megatron-Core's own assignment (params sorted by size, dealt ping-pong over DP).
+
+Modes (SPEC sections 2 and 3):
+
+- ``adamw``: Megatron's distributed optimizer (ZeRO-1).
+- ``muon_naive``: ZeRO-1; every rank of the stage's DP x TP group gathers every matrix and
+  runs NS on all of them (one all-to-all per bucket, as ``optimizer='muon_naive'`` does).
+- ``mcore_layerwise``: Megatron-Core's layer-wise distributed Muon, ``muon_tp_mode=
+  'duplicated'``: whole parameters dealt over DP ranks, each TP rank all-gathers its TP
+  shards and runs the same NS (duplicated on the TP ranks); gradients all-reduced (no
+  reduce-scatter); updated parameters all-gathered (uneven) inside the step.
+- ``dmuon``: owner-centric Muon: each unit gathered on one owner of the DP x TP group, NS
+  there, pieces scattered back (two all-to-alls per bucket); experts planned in their
+  expert-data-parallel group.
+- ``dmuon_overlap``: the same work, started per bucket during the backward pass.
+- ``matrix_zero1`` / ``matrix_zero3``: MatrixFSDP placement, every Muon parameter whole on
+  one DP rank, no Muon communication; uneven (padded) reduce-scatter / all-gather; under
+  ZeRO-3 the parameters are sharded too and gathered per layer in forward and backward.
+- ``fsdp2_reconstruct`` (extra, the MatrixFSDP paper's baseline): ZeRO-3 with even shards;
+  the optimizer all-gathers every matrix (one call per parameter) and runs all NS on
+  every rank.
+
+Pure Python (plus the planner's imports); knows nothing of Megatron or torch.distributed.
+Every number below that is not measured is an assumption, named where it is used.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
+from typing import Optional, Sequence
+
+from .newton_schulz import ns_flops
+from .plan import OwnerPlan, UnitTask, plan_owners
+from .units import expert_units, gate_up_units, qkv_units, whole_units
+
+__all__ = [
+    "ModelConfig", "Layout", "RunConfig", "Hardware", "Prediction", "HARDWARE", "MODELS",
+    "MODES", "EXTRA_MODES", "predict", "stage_tensors", "muon_tasks", "zero1_holdings",
+    "exchange_elements", "owner_exchange", "Exchange", "naive_exchange_bytes", "owner_exchange_bytes_even",
+    "collective_time", "Group", "load_cpu_profile", "fwd_bwd_seconds", "pingpong_owners",
+    "ADAM_BYTES_PER_ELEM", "MUON_BYTES_PER_ELEM", "OWNED_BYTES_PER_ELEM", "layout_for", "sweep",
+    "model_param_counts", "unit_holdings", "water_fill",
+]
+
+MODES = ("adamw", "muon_naive", "mcore_layerwise", "dmuon", "dmuon_overlap",
+         "matrix_zero1", "matrix_zero3")
+EXTRA_MODES = ("fsdp2_reconstruct",)
+
+# Bytes moved through memory per fp32 shard element by one optimizer update (GPU presets):
+# AdamW: master param r/w 8 + grad r 4 + exp_avg r/w 8 + exp_avg_sq r/w 8 + bf16 param w 2.
+ADAM_BYTES_PER_ELEM = 30
+# Muon elementwise part: momentum r/w 8 + grad r 4 + write U 4 + read O 4 + master r/w 8 +
+# bf16 param w 2.
+MUON_BYTES_PER_ELEM = 30
+# Handling one element of a rank's owned-unit buffer (zero it, index_copy the gathered
+# pieces in, copy NS's output out and scale it, index_select the pieces to scatter): ~40 B.
+OWNED_BYTES_PER_ELEM = 40
+# One fp32 copy pass (Megatron's grad -> main shard and main -> model param copies).
+COPY_BYTES_PER_ELEM = 8
+
+
+# ----------------------------------------------------------------------------- inputs
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A decoder-only transformer, in Megatron's terms."""
+
+    name: str = "custom"
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: Optional[int] = None  # None: MHA
+    kv_channels: Optional[int] = None  # head dim; None: hidden / heads
+    vocab_size: int = 32000
+    swiglu: bool = False
+    num_experts: int = 0  # routed experts per MoE layer (0: dense model)
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_topk: int = 1
+    moe_shared_expert_ffn: int = 0  # 0: no shared expert
+    first_dense_layers: int = 0  # leading dense layers of a MoE model (Kimi-K2: 1)
+    normalization: str = "RMSNorm"  # LayerNorm adds a bias per norm
+    tied_embeddings: bool = False
+    seq_length: int = 4096
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer >= self.first_dense_layers
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """Parallel layout.  world = tp * pp * dp; experts: ep * etp * edp = tp * dp."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    etp: int = 1  # expert tensor parallel size (1: whole experts, Megatron's usual MoE setup)
+    gpus_per_node: int = 8
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def edp(self) -> int:
+        return self.tp * self.dp // (self.ep * self.etp)
+
+    def check(self) -> None:
+        for k in ("tp", "pp", "dp", "ep", "etp", "gpus_per_node"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"layout {k} must be >= 1")
+        if (self.tp * self.dp) % (self.ep * self.etp):
+            raise ValueError(f"EP x ETP = {self.ep} x {self.etp} must divide TP x DP = "
+                             f"{self.tp} x {self.dp}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Training and optimizer settings that change the costs."""
+
+    global_batch: int = 1024  # sequences per step
+    micro_batch: int = 1
+    mfu: float = 0.40  # assumed model-flops utilisation of forward/backward
+    ns_steps: int = 5
+    split_qkv: bool = True
+    split_fc1: bool = False
+    param_bytes: int = 2  # bf16 model params
+    grad_bytes: int = 4  # grad_reduce_in_fp32 (Megatron's main_grad)
+    muon_comm_bytes: int = 4  # the Muon exchange moves fp32 momentum / update pieces
+    ns_dtype_bytes: int = 2  # bf16 NS ('medium'); 4 for fp32 NS
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    bucket_elems: Optional[int] = None  # None: Megatron's max(40M, 1M x DP) when overlapping
+    locality: bool = True  # DMuon's locality-aware plan (dmuon_locality_slack)
+    locality_slack: float = 0.03
+    locality_max_work: int = 1_500_000  # units x ranks above which plain LPT is used (speed)
+    overlap_efficiency: float = 0.5  # dmuon_overlap: usable share of the backward window
+    naive_per_matrix_calls: bool = False  # naive Muon issuing one collective per matrix
+    megatron_pad: bool = True  # Megatron's 64-element param and lcm(DP,128) bucket padding
+    main_copy_passes: int = 2  # bf16 training: grads -> fp32 main shard, main -> bf16 params
+    step_overhead_s: Optional[float] = None  # fixed per-step cost; None: the hardware's
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """One accelerator and its network; per-direction bandwidths in bytes/s."""
+
+    name: str
+    peak_flops: float  # dense bf16 matmul peak (what MFU refers to)
+    ns_efficiency: float  # achieved fraction of peak by batched NS matmuls (assumed)
+    mem_bw: float  # HBM bytes/s
+    mem_efficiency: float  # achieved fraction of mem_bw by elementwise kernels (assumed)
+    memory_gib: float
+    intra_bw: float  # NVLink per GPU per direction
+    intra_lat: float  # seconds per hop inside a node
+    inter_bw: float  # InfiniBand per GPU per direction (one NIC per GPU)
+    inter_lat: float  # seconds per hop between nodes
+    coll_base_lat: float = 10e-6  # launch + protocol start of one collective
+    ring_efficiency: float = 0.80  # achieved bus bandwidth of ring all-gather/reduce-scatter
+    a2a_efficiency: float = 0.60  # achieved bandwidth of all-to-all
+    a2a_peer_lat: float = 1e-6  # per-peer cost of an all-to-all
+    kernel_lat: float = 8e-6  # per NS kernel launch (3 kernels per NS step and batch)
+    step_overhead_s: float = 2e-3  # Python / launch overhead of one optimizer step
+    # Measured per-element costs (the calibrated CPU profile); None: derived from mem_bw.
+    adam_s_per_elem: Optional[float] = None
+    muon_s_per_elem: Optional[float] = None
+    owned_s_per_elem: Optional[float] = None
+    copy_s_per_elem: Optional[float] = None
+    # NS rate by min(m, n) of the unit: ((s, flop/s), ...) measured; None: peak x efficiency.
+    ns_rate_points: Optional[tuple] = None
+    # Measured collectives (gloo on one host): kind -> (bandwidth B/s, latency s).
+    collectives: Optional[dict] = None
+    source: str = ""
+
+    @property
+    def elem_bw(self) -> float:
+        return self.mem_bw * self.mem_efficiency
+
+    def ns_rate(self, s: int) -> float:
+        """flop/s of NS on units whose small side is ``s``."""
+        if not self.ns_rate_points:
+            return self.peak_flops * self.ns_efficiency
+        pts = sorted(self.ns_rate_points)
+        if s <= pts[0][0]:
+            return pts[0][1]
+        if s >= pts[-1][0]:
+            return pts[-1][1]
+        for (s0, r0), (s1, r1) in zip(pts, pts[1:]):
+            if s0 <= s <= s1:  # interpolate in log s
+                w = (math.log(s) - math.log(s0)) / (math.log(s1) - math.log(s0))
+                return r0 + w * (r1 - r0)
+        return pts[-1][1]
+
+    def adam_time(self, elems: float) -> float:
+        per = self.adam_s_per_elem if self.adam_s_per_elem is not None else \
+            ADAM_BYTES_PER_ELEM / self.elem_bw
+        return elems * per
+
+    def muon_elem_time(self, elems: float) -> float:
+        per = self.muon_s_per_elem if self.muon_s_per_elem is not None else \
+            MUON_BYTES_PER_ELEM / self.elem_bw
+        return elems * per
+
+    def owned_time(self, elems: float) -> float:
+        per = self.owned_s_per_elem if self.owned_s_per_elem is not None else \
+            OWNED_BYTES_PER_ELEM / self.elem_bw
+        return elems * per
+
+    def copy_time(self, elems: float) -> float:
+        per = self.copy_s_per_elem if self.copy_s_per_elem is not None else \
+            COPY_BYTES_PER_ELEM / self.elem_bw
+        return elems * per
+
+
+# Public spec numbers (dense, no sparsity).  Bandwidths are per GPU and per direction.
+# H100 SXM5: 989 TFLOP/s bf16, 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s total (450 per
+#   direction) -- NVIDIA H100 Tensor Core GPU datasheet; DGX H100: 8 x ConnectX-7 400 Gb/s
+#   NDR InfiniBand, one per GPU = 50 GB/s -- DGX H100 user guide.
+# H200 SXM: 989 TFLOP/s bf16, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s -- NVIDIA H200
+#   datasheet; same 400 Gb/s NDR per GPU in HGX H200 systems.
+# A100 SXM4 80GB: 312 TFLOP/s bf16, 2.039 TB/s HBM2e, NVLink 3 600 GB/s total (300 per
+#   direction) -- NVIDIA A100 datasheet; DGX A100: 8 x 200 Gb/s HDR = 25 GB/s per GPU.
+# A800 SXM4 80GB: A100 compute and memory, NVLink capped at 400 GB/s total (200 per
+#   direction) -- NVIDIA A800 product brief; clusters typically 200 Gb/s HDR per GPU.
+# Latencies are typical NCCL figures, not datasheet numbers: ~2 us per NVLink hop, ~6 us
+# per InfiniBand hop, ~10 us to start a collective (NCCL tests, small messages).
+# ns_efficiency 0.6 (batched bf16 GEMMs of 1k-8k matrices reach 55-70% of peak) and
+# mem_efficiency 0.8 (fused elementwise kernels) are assumptions.
+HARDWARE: dict[str, Hardware] = {
+    "H100": Hardware(name="H100", peak_flops=989e12, ns_efficiency=0.6, mem_bw=3.35e12,
+                     mem_efficiency=0.8, memory_gib=80 * 1e9 / 2**30, intra_bw=450e9,
+                     intra_lat=2e-6, inter_bw=50e9, inter_lat=6e-6, source="datasheet"),
+    "H200": Hardware(name="H200", peak_flops=989e12, ns_efficiency=0.6, mem_bw=4.8e12,
+                     mem_efficiency=0.8, memory_gib=141 * 1e9 / 2**30, intra_bw=450e9,
+                     intra_lat=2e-6, inter_bw=50e9, inter_lat=6e-6, source="datasheet"),
+    "A100": Hardware(name="A100", peak_flops=312e12, ns_efficiency=0.6, mem_bw=2.039e12,
+                     mem_efficiency=0.8, memory_gib=80 * 1e9 / 2**30, intra_bw=300e9,
+                     intra_lat=2e-6, inter_bw=25e9, inter_lat=6e-6, source="datasheet"),
+    "A800": Hardware(name="A800", peak_flops=312e12, ns_efficiency=0.6, mem_bw=2.039e12,
+                     mem_efficiency=0.8, memory_gib=80 * 1e9 / 2**30, intra_bw=200e9,
+                     intra_lat=2e-6, inter_bw=25e9, inter_lat=6e-6, source="datasheet"),
+}
+
+
+def load_cpu_profile(path: str) -> Hardware:
+    """The 'cpu' hardware from a calibration JSON written by ``tools/cost_model.py``."""
+    with open(path) as fh:
+        d = json.load(fh)
+    coll = {k: tuple(v) for k, v in d["collectives"].items()}
+    a2a_bw, a2a_lat = coll["all_to_all"]
+    return Hardware(
+        name="cpu", peak_flops=max(r for _, r in d["ns_rate_points"]), ns_efficiency=1.0,
+        mem_bw=d.get("copy_bw", 1e9), mem_efficiency=1.0, memory_gib=d.get("memory_gib", 24.0),
+        intra_bw=a2a_bw, intra_lat=a2a_lat, inter_bw=a2a_bw, inter_lat=a2a_lat,
+        coll_base_lat=0.0, ring_efficiency=1.0, a2a_efficiency=1.0, a2a_peer_lat=0.0,
+        kernel_lat=0.0, step_overhead_s=d.get("step_overhead_s", 0.0),
+        adam_s_per_elem=d["adam_s_per_elem"], muon_s_per_elem=d["muon_s_per_elem"],
+        owned_s_per_elem=d["owned_s_per_elem"], copy_s_per_elem=d["copy_s_per_elem"],
+        ns_rate_points=tuple(tuple(p) for p in d["ns_rate_points"]), collectives=coll,
+        source=f"calibrated {d.get('when', '')} on {d.get('nproc')} ranks")
+
+
+# Public architectures ("-like": attention of Kimi-K2 is MLA, approximated here by GQA with
+# the same head count; its parameter count differs by < 1% of the model).
+MODELS: dict[str, ModelConfig] = {
+    "bench-tiny": ModelConfig(name="bench-tiny", num_layers=4, hidden_size=384,
+                              ffn_hidden_size=1536, num_attention_heads=6, vocab_size=256,
+                              normalization="LayerNorm", seq_length=32),
+    "llama3-8b": ModelConfig(name="llama3-8b", num_layers=32, hidden_size=4096,
+                             ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
+                             vocab_size=128256, swiglu=True, seq_length=8192),
+    "llama3-70b": ModelConfig(name="llama3-70b", num_layers=80, hidden_size=8192,
+                              ffn_hidden_size=28672, num_attention_heads=64, num_query_groups=8,
+                              vocab_size=128256, swiglu=True, seq_length=8192),
+    "qwen3-30b-a3b": ModelConfig(name="qwen3-30b-a3b", num_layers=48, hidden_size=2048,
+                                 ffn_hidden_size=6144, num_attention_heads=32,
+                                 num_query_groups=4, kv_channels=128, vocab_size=151936,
+                                 swiglu=True, num_experts=128, moe_ffn_hidden_size=768,
+                                 moe_topk=8, seq_length=4096),
+    "kimi-k2": ModelConfig(name="kimi-k2", num_layers=61, hidden_size=7168,
+                           ffn_hidden_size=18432, num_attention_heads=64, num_query_groups=8,
+                           kv_channels=128, vocab_size=163840, swiglu=True, num_experts=384,
+                           moe_ffn_hidden_size=2048, moe_topk=8, moe_shared_expert_ffn=2048,
+                           first_dense_layers=1, seq_length=4096),
+}
+
+
+# ----------------------------------------------------------------------------- the stage
+@dataclass(frozen=True)
+class StageTensor:
+    """One parameter of the modelled pipeline stage (the first: it also holds the embedding)."""
+
+    name: str
+    shape: tuple  # full (TP-unsharded) shape; 1-D for norms
+    tp_dim: Optional[int]  # None: replicated on the TP ranks
+    expert: bool
+    muon: bool
+    units: tuple = ()  # ((key, (m, n)), ...) NS units of a Muon matrix
+    tp: int = 1  # TP (ETP for experts) size it is split over
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def local_numel(self) -> int:
+        return self.numel // self.tp if self.tp_dim is not None else self.numel
+
+
+def _layers_of_stage(model: ModelConfig, pp: int) -> range:
+    per = math.ceil(model.num_layers / pp)
+    return range(0, min(per, model.num_layers))
+
+
+def stage_tensors(model: ModelConfig, layout: Layout, run: RunConfig = RunConfig()
+                  ) -> list[StageTensor]:
+    """Parameters of pipeline stage 0 in Megatron's ``named_parameters`` order.
+
+    One EP rank's experts (E / EP per MoE layer).  Units follow SPEC section 1: QKV split
+    into Q, K, V (``qkv_units``), SwiGLU fc1 optionally into gate/up, one unit per expert.
+    """
+    h, tp = model.hidden_size, layout.tp
+    q_dim, kv_dim = model.num_attention_heads * model.head_dim, model.groups * model.head_dim
+    norm_n = 2 if model.normalization == "LayerNorm" else 1
+    out: list[StageTensor] = []
+
+    def muon(name, shape, tp_dim, units, expert=False, tpsize=None):
+        out.append(StageTensor(name, tuple(shape), tp_dim, expert, True,
+                               tuple((f"{name}#{i}", u) for i, u in enumerate(units)),
+                               tpsize if tpsize is not None else tp))
+
+    def other(name, shape, tp_dim=None):
+        out.append(StageTensor(name, tuple(shape), tp_dim, False, False, (), tp))
+
+    def norm(name):
+        for i in range(norm_n):
+            other(f"{name}.{('weight', 'bias')[i]}", (h,))
+
+    def fc1_units(rows):
+        if run.split_fc1 and model.swiglu:
+            return [u.shape for u in gate_up_units((rows, h))]
+        return [(rows, h)]
+
+    stage_layers = _layers_of_stage(model, layout.pp)
+    other("embedding.word_embeddings.weight", (model.vocab_size, h), 0)
+    for layer in stage_layers:
+        p = f"layers.{layer}"
+        norm(f"{p}.input_layernorm")
+        muon(f"{p}.self_attention.linear_proj.weight", (h, q_dim), 1, [(h, q_dim)])
+        qkv = (q_dim + 2 * kv_dim, h)
+        if run.split_qkv:
+            units = [u.shape for u in qkv_units(qkv, model.groups,
+                                                model.num_attention_heads // model.groups,
+                                                model.head_dim)]
+        else:
+            units = [qkv]
+        muon(f"{p}.self_attention.linear_qkv.weight", qkv, 0, units)
+        norm(f"{p}.pre_mlp_layernorm")
+        glu = 2 if model.swiglu else 1
+        if model.is_moe_layer(layer):
+            e, f = model.num_experts, model.moe_ffn_hidden_size or model.ffn_hidden_size
+            muon(f"{p}.mlp.router.weight", (e, h), None, [(e, h)])
+            local = e // layout.ep
+            for x in range(local):
+                q = f"{p}.mlp.experts.local_experts.{x}"
+                muon(f"{q}.linear_fc1.weight", (glu * f, h), 0, fc1_units(glu * f),
+                     expert=True, tpsize=layout.etp)
+                muon(f"{q}.linear_fc2.weight", (h, f), 1, [(h, f)], expert=True,
+                     tpsize=layout.etp)
+            if model.moe_shared_expert_ffn:
+                sf = model.moe_shared_expert_ffn
+                muon(f"{p}.mlp.shared_experts.linear_fc1.weight", (glu * sf, h), 0,
+                     fc1_units(glu * sf))
+                muon(f"{p}.mlp.shared_experts.linear_fc2.weight", (h, sf), 1, [(h, sf)])
+        else:
+            f = model.ffn_hidden_size
+            muon(f"{p}.mlp.linear_fc1.weight", (glu * f, h), 0, fc1_units(glu * f))
+            muon(f"{p}.mlp.linear_fc2.weight", (h, f), 1, [(h, f)])
+    if layout.pp == 1:
+        norm("final_layernorm")
+        if not model.tied_embeddings:
+            other("output_layer.weight", (model.vocab_size, h), 0)
+    return out
+
+
+def model_param_counts(model: ModelConfig) -> dict:
+    """Total and active (per token) parameters of the whole model, and matmul params."""
+    full = stage_tensors(model, Layout(), RunConfig())
+    total = sum(t.numel for t in full)
+    experts = sum(t.numel for t in full if t.expert)
+    muon = sum(t.numel for t in full if t.muon)
+    active_matmul = sum(t.numel for t in full if t.muon and not t.expert)
+    if model.num_experts:
+        active_matmul += experts * model.moe_topk / model.num_experts
+    if not model.tied_embeddings:
+        active_matmul += model.vocab_size * model.hidden_size  # output layer
+    return dict(total=total, experts=experts, muon=muon, active_matmul=active_matmul)
+
+
+def muon_tasks(tensors: Sequence[StageTensor], ns_steps: int, expert: bool) -> list[UnitTask]:
+    """The planner's tasks: one per NS unit, cost = NS flops, nbytes = fp32 bytes."""
+    return [UnitTask(key, shape, ns_flops(shape[0], shape[1], ns_steps), 4 * shape[0] * shape[1])
+            for t in tensors if t.muon and t.expert == expert for key, shape in t.units]
+
+
+# ----------------------------------------------------------------------------- groups & comm
+@dataclass(frozen=True)
+class Group:
+    """A process group: member j is global rank ``base + j * stride`` (Megatron's rank order
+    is TP fastest, then DP, then PP: a stage's DP x TP group is contiguous, its DP group has
+    stride TP, an expert-DP group has stride EP x ETP)."""
+
+    size: int
+    stride: int
+    gpus_per_node: int
+    base: int = 0
+
+    def node(self, j: int) -> int:
+        return (self.base + j * self.stride) // self.gpus_per_node
+
+    @property
+    def nodes(self) -> int:
+        return _count_nodes(self.size, self.stride, self.gpus_per_node, self.base)
+
+    @property
+    def local_size(self) -> int:
+        """Members on one node."""
+        return max(1, -(-self.size // self.nodes))
+
+
+@lru_cache(maxsize=4096)
+def _count_nodes(size: int, stride: int, gpn: int, base: int) -> int:
+    return len({(base + j * stride) // gpn for j in range(size)})
+
+
+def collective_time(hw: Hardware, kind: str, group: Group, recv_bytes: float,
+                    inter_bytes: Optional[float] = None) -> float:
+    """Seconds of one collective in which a rank receives ``recv_bytes``.
+
+    ring kinds ('all_gather', 'reduce_scatter'): alpha + recv / (bw x ring efficiency),
+    bw = InfiniBand when the group spans nodes (the ring's slowest link), else NVLink;
+    alpha = base + hops, with (local - 1) NVLink hops and log2(nodes) InfiniBand hops
+    (NCCL's tree/PAT algorithms at scale).  'all_reduce' = 2 x the reduce-scatter bytes.
+    'all_to_all': alpha + (size - 1) peer costs + max(intra bytes / NVLink, inter bytes / IB).
+    A calibrated profile (gloo) replaces bandwidth and latency by its measured pair.
+    """
+    if group.size <= 1:
+        return 0.0
+    g = group.size
+    if hw.collectives:
+        key = kind if kind in hw.collectives else (
+            "all_gather" if kind in ("reduce_scatter", "all_gather_v") else "all_to_all")
+        bw, lat = hw.collectives.get(key, hw.collectives["all_to_all"])
+        factor = 2.0 if kind == "all_reduce" and key != "all_reduce" else 1.0
+        return lat + factor * recv_bytes / bw
+    nodes = group.nodes
+    local = group.local_size
+    if kind == "all_to_all":
+        if inter_bytes is None:
+            inter_bytes = recv_bytes * (g - local) / (g - 1)
+        intra = recv_bytes - inter_bytes
+        return (hw.coll_base_lat + (g - 1) * hw.a2a_peer_lat +
+                max(intra / (hw.intra_bw * hw.a2a_efficiency),
+                    inter_bytes / (hw.inter_bw * hw.a2a_efficiency)))
+    lat = hw.coll_base_lat + (local - 1) * hw.intra_lat + \
+        (math.ceil(math.log2(nodes)) * hw.inter_lat if nodes > 1 else 0.0)
+    bw = (hw.inter_bw if nodes > 1 else hw.intra_bw) * hw.ring_efficiency
+    if kind == "all_reduce":
+        return 2 * lat + 2 * recv_bytes / bw
+    return lat + recv_bytes / bw
+
+
+def naive_exchange_bytes(muon_numel: int, n: int, elem_bytes: int = 4) -> float:
+    """Bytes a rank receives when every rank gathers every matrix: (N-1)/N x P."""
+    return (n - 1) / n * muon_numel * elem_bytes
+
+
+def owner_exchange_bytes_even(muon_numel: int, n: int, elem_bytes: int = 4) -> float:
+    """Owner-centric exchange with every unit spread evenly over N ranks and owners balanced:
+    a rank receives (N-1)/N of the P/N it owns (gather) and its 1/N of the others' units
+    (scatter): 2 (N-1)/N^2 x P (and sends the same)."""
+    return 2 * (n - 1) / n**2 * muon_numel * elem_bytes
+
+
+# ----------------------------------------------------------------------------- ZeRO-1 layout
+@dataclass
+class Zero1Layout:
+    """Megatron's grad/param buffer of one rank and its DP shards.
+
+    ``pieces[name] = [(group_rank, elems), ...]`` over the DMuon group (DP x TP ranks,
+    group rank = dp_rank * tp + tp_rank, TP fastest as in Megatron's rank order)."""
+
+    numel: int  # padded buffer length per TP rank
+    buckets: list  # [(start, end)]
+    pieces: dict
+    shard_elems: int  # elements per DP rank (sum over buckets)
+
+
+def zero1_holdings(tensors: Sequence[StageTensor], dp: int, tp: int, run: RunConfig,
+                   bucket_elems: Optional[int] = None) -> Zero1Layout:
+    """Reverse parameter order, 64-element start padding, buckets padded to lcm(DP, 128),
+    each bucket cut into DP equal contiguous shards (Megatron-Core 0.16's buffer)."""
+    pad = run.megatron_pad
+    pos, ranges = 0, {}
+    bucket_ranges, bstart = [], 0
+    divisor = math.lcm(dp, 128) if pad else dp
+    for t in reversed(list(tensors)):
+        if pad:
+            pos = -(-pos // 64) * 64
+        ranges[t.name] = (pos, pos + t.local_numel)
+        pos += t.local_numel
+        if bucket_elems and pos - bstart >= bucket_elems:
+            end = -(-pos // divisor) * divisor
+            bucket_ranges.append((bstart, end))
+            bstart = pos = end
+    if pos > bstart or not bucket_ranges:
+        end = -(-pos // divisor) * divisor
+        bucket_ranges.append((bstart, end))
+        pos = end
+    pieces: dict = {}
+    shard_total = 0
+    for b0, b1 in bucket_ranges:
+        shard_total += (b1 - b0) // dp
+    for t in tensors:
+        s, e = ranges[t.name]
+        held = []
+        for b0, b1 in bucket_ranges:
+            lo, hi = max(s, b0), min(e, b1)
+            if lo >= hi:
+                continue
+            size = (b1 - b0) // dp
+            for d in range((lo - b0) // size, (hi - 1 - b0) // size + 1):
+                a, b = max(lo, b0 + d * size), min(hi, b0 + (d + 1) * size)
+                if b > a:
+                    tps = range(tp) if t.tp_dim is not None else range(1)  # replicas: tp 0
+                    held.extend((d * tp + tr, b - a) for tr in tps)
+        pieces[t.name] = held
+    return Zero1Layout(numel=pos, buckets=bucket_ranges, pieces=pieces, shard_elems=shard_total)
+
+
+class _Sparse(dict):
+    """holdings[key][rank] with zeros by default (plan_owners indexes it by rank)."""
+
+    def __missing__(self, k):
+        return 0
+
+
+def unit_holdings(tensors: Sequence[StageTensor], layout: Zero1Layout) -> dict:
+    """{unit key: {group rank: elements}}: a unit's share of each piece is proportional to its
+    size in the matrix (the estimate DMuon's adapter uses; exact for whole-matrix units)."""
+    out = {}
+    for t in tensors:
+        if not t.muon:
+            continue
+        for key, (m, n) in t.units:
+            h = _Sparse()
+            for g, elems in layout.pieces[t.name]:
+                h[g] = h.get(g, 0) + elems * m * n // t.numel
+            out[key] = h
+    return out
+
+
+@dataclass
+class Exchange:
+    """Elements per rank of one owner-centric step: gather (holders -> owner) and scatter
+    (owner -> holders); ``*_inter``: the part that crosses nodes.  A rank's own part of its
+    own unit never moves."""
+
+    gather_sent: list
+    gather_recv: list
+    scatter_sent: list
+    scatter_recv: list
+    gather_inter: list  # received from other nodes in the gather
+    scatter_inter: list
+
+    @property
+    def sent(self) -> list:
+        return [a + b for a, b in zip(self.gather_sent, self.scatter_sent)]
+
+    @property
+    def recv(self) -> list:
+        return [a + b for a, b in zip(self.gather_recv, self.scatter_recv)]
+
+
+def owner_exchange(holdings: dict, owners: dict, group: Group) -> Exchange:
+    n = group.size
+    gs, gr, ss, sr, gi, si = ([0] * n for _ in range(6))
+    for key, held in holdings.items():
+        o = owners[key]
+        for g, elems in held.items():
+            if g == o or elems == 0:
+                continue
+            gs[g] += elems
+            gr[o] += elems
+            ss[o] += elems
+            sr[g] += elems
+            if group.node(g) != group.node(o):
+                gi[o] += elems
+                si[g] += elems
+    return Exchange(gs, gr, ss, sr, gi, si)
+
+
+def exchange_elements(holdings: dict, owners: dict, num_ranks: int) -> tuple[list, list]:
+    """(sent, received) elements per rank of one gather + one scatter."""
+    ex = owner_exchange(holdings, owners, Group(num_ranks, 1, num_ranks))
+    return ex.sent, ex.recv
+
+
+def pingpong_owners(sizes: Sequence[tuple[str, int]], n: int) -> dict:
+    """Megatron-Core 0.16 ``LayerWiseDistributedOptimizer.shard_params``: parameters sorted
+    by numel (stable), dealt to ranks 0..n-1, n-1..0, 0..n-1, ..."""
+    loop = list(range(n)) + list(range(n))[::-1]
+    order = sorted(range(len(sizes)), key=lambda i: sizes[i][1])
+    return {sizes[i][0]: loop[k % len(loop)] for k, i in enumerate(order)}
+
+
+# ----------------------------------------------------------------------------- forward/backward
+def fwd_bwd_seconds(model: ModelConfig, layout: Layout, run: RunConfig, hw: Hardware) -> dict:
+    """Forward + backward compute of one step per GPU at the assumed MFU, with the 1F1B bubble.
+
+    flops = 6 x active matmul params x tokens + causal attention 6 x L x seq x q_dim x tokens.
+    """
+    counts = model_param_counts(model)
+    tokens = run.global_batch * model.seq_length
+    attn = 6 * model.num_layers * model.seq_length * model.num_attention_heads * model.head_dim
+    flops = (6 * counts["active_matmul"] + attn) * tokens
+    t = flops / layout.world / (hw.peak_flops * run.mfu)
+    micro = max(1, run.global_batch // (layout.dp * run.micro_batch))
+    bubble = (layout.pp - 1) / micro if layout.pp > 1 else 0.0
+    total = t * (1 + bubble)
+    return dict(compute=total, fwd=total / 3, bwd=2 * total / 3, flops=flops, bubble=bubble)
+
+
+# ----------------------------------------------------------------------------- prediction
+@dataclass
+class Prediction:
+    mode: str
+    model: str
+    hardware: str
+    layout: dict
+    opt_s: float  # optimizer step, critical path, nothing overlapped
+    exposed_s: float  # optimizer work the step waits for (incl. un-hidden param gather)
+    step_s: float  # fwd/bwd + exposed grad sync + exposed_s (+ ZeRO-3 exposed gathers)
+    fwd_bwd_s: float
+    muon_recv_bytes: float  # Muon exchange, bytes received by the busiest rank per step
+    muon_sent_bytes: float
+    opt_recv_bytes: float  # everything the optimizer step receives (Muon + param gather)
+    memory_bytes: float  # weights + grads + optimizer state + Muon workspace (not activations)
+    state_bytes: float  # optimizer state per rank (momentum / Adam moments)
+    imbalance: float  # max/mean - 1 of per-rank NS flops (0: balanced or replicated)
+    breakdown: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+    @property
+    def world(self) -> int:
+        return self.layout["tp"] * self.layout["pp"] * self.layout["dp"]
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["world"] = self.world
+        return d
+
+
+def _ns_time(hw: Hardware, units: Sequence[tuple[int, int]], steps: int) -> float:
+    """NS seconds for one rank's units, batched by shape (one batch per shape)."""
+    by_shape: dict = {}
+    for m, n in units:
+        key = (min(m, n), max(m, n))
+        by_shape[key] = by_shape.get(key, 0) + 1
+    t = 0.0
+    for (s, big), count in by_shape.items():
+        t += count * ns_flops(s, big, steps) / hw.ns_rate(s) + 3 * steps * hw.kernel_lat
+    return t
+
+
+def _ns_workspace(units: Sequence[tuple[int, int]], dtype_bytes: int) -> float:
+    """Largest NS batch's temporaries: X, X_new (b s big) and A, B (b s^2)."""
+    by_shape: dict = {}
+    for m, n in units:
+        key = (min(m, n), max(m, n))
+        by_shape[key] = by_shape.get(key, 0) + 1
+    return max([c * (2 * s * big + 2 * s * s) * dtype_bytes for (s, big), c in by_shape.items()]
+               or [0])
+
+
+class _Stage:
+    """Everything about stage 0 that several modes share (built once per model x layout)."""
+
+    def __init__(self, model: ModelConfig, layout: Layout, run: RunConfig):
+        layout.check()
+        self.model, self.layout, self.run = model, layout, run
+        self.tensors = stage_tensors(model, layout, run)
+        self.dense = [t for t in self.tensors if not t.expert]
+        self.experts = [t for t in self.tensors if t.expert]
+        tp, dp, gpn = layout.tp, layout.dp, layout.gpus_per_node
+        self.g_dense = Group(tp * dp, 1, gpn)  # DMuon group: DP x TP of the stage
+        self.g_dp = Group(dp, tp, gpn)
+        self.g_tp = Group(tp, 1, gpn)
+        self.g_edp = Group(layout.edp, layout.ep * layout.etp, gpn)
+        self.g_world = Group(layout.world, 1, gpn)
+        self.local_dense = sum(t.local_numel for t in self.dense)
+        self.local_expert = sum(t.local_numel for t in self.experts)
+        self.local_total = self.local_dense + self.local_expert
+        self.muon_dense_full = sum(t.numel for t in self.dense if t.muon)
+        self.muon_expert_full = sum(t.numel for t in self.experts if t.muon)
+        self.adam_local = sum(t.local_numel for t in self.tensors if not t.muon)
+        self.dense_muon_local = sum(t.local_numel for t in self.dense if t.muon)
+        self.kinds = (False, True) if self.experts else (False,)  # dense, expert
+        bucket = run.bucket_elems
+        if bucket is None and run.overlap_grad_reduce:
+            bucket = max(40_000_000, 1_000_000 * dp)
+        self.bucket = bucket
+        self.nbuckets = max(1, math.ceil(self.local_total / bucket)) if bucket else 1
+        self._cache: dict = {}
+
+    # ZeRO-1 layouts and owner plans ------------------------------------------------------
+    def zero1(self, expert: bool) -> Zero1Layout:
+        key = ("z1", expert)
+        if key not in self._cache:
+            ts = self.experts if expert else self.dense
+            n = self.layout.edp if expert else self.layout.dp
+            tp = self.layout.etp if expert else self.layout.tp
+            self._cache[key] = zero1_holdings(ts, n, tp, self.run, self.bucket)
+        return self._cache[key]
+
+    def muon_group(self, expert: bool) -> Group:
+        """Ranks that together hold every element of the stage's (dense or local-expert)
+        matrices once: DP x TP for dense; expert-DP x ETP for one EP rank's experts (exact
+        member placement for ETP = 1)."""
+        lay = self.layout
+        if not expert:
+            return self.g_dense
+        return Group(lay.edp * lay.etp, lay.ep if lay.etp == 1 else 1, lay.gpus_per_node)
+
+    def dmuon_plan(self, expert: bool) -> tuple[OwnerPlan, dict, Group]:
+        key = ("dmuon", expert)
+        if key not in self._cache:
+            ts = self.experts if expert else self.dense
+            group = self.muon_group(expert)
+            tasks = muon_tasks(ts, self.run.ns_steps, expert)
+            holdings = unit_holdings(ts, self.zero1(expert))
+            use_loc = self.run.locality and len(tasks) * group.size <= self.run.locality_max_work
+            plan = plan_owners(tasks, group.size, holdings=holdings if use_loc else None,
+                               locality_slack=self.run.locality_slack)
+            self._cache[key] = (plan, holdings, group, use_loc)
+        return self._cache[key][:3]
+
+    def locality_used(self, expert: bool) -> bool:
+        self.dmuon_plan(expert)
+        return self._cache[("dmuon", expert)][3]
+
+
+_STAGES: dict = {}
+
+
+def _stage(model: ModelConfig, layout: Layout, run: RunConfig) -> _Stage:
+    key = (model, layout, run)
+    if key not in _STAGES:
+        if len(_STAGES) > 64:
+            _STAGES.clear()
+        _STAGES[key] = _Stage(model, layout, run)
+    return _STAGES[key]
+
+
+def _hidden(total: float, window: float, pieces: int) -> float:
+    """Exposed part of ``total`` overlapped per bucket with ``window``: the last piece never
+    hides; the rest hides up to the window."""
+    if total <= 0:
+        return 0.0
+    return max(total / max(1, pieces), total - window)
+
+
+@dataclass
+class _Costs:
+    """One mode's per-rank costs before they are assembled into a Prediction."""
+
+    bd: dict = field(default_factory=dict)  # seconds per optimizer-step component
+    grad_sync: float = 0.0  # backward-pass gradient collective(s)
+    param_gather_overlappable: bool = True
+    zero3_comm: float = 0.0  # ZeRO-3 per-layer gathers + reduce-scatter (forward/backward)
+    muon_sent: float = 0.0
+    muon_recv: float = 0.0
+    pg_recv: float = 0.0
+    weights: float = 0.0  # bf16 params + fp32 main grads held
+    main_state: float = 0.0  # fp32 main params + optimizer state
+    opt_state: float = 0.0  # optimizer state only (momentum / Adam moments)
+    workspace: float = 0.0
+    imbalance: float = 0.0
+    notes: list = field(default_factory=list)
+
+
+def _zero1_common(st: "_Stage", hw: Hardware, run: RunConfig, c: _Costs) -> tuple[float, float]:
+    """Megatron's distributed optimizer around any ZeRO-1 mode: gradient reduce-scatter,
+    param all-gather, the main-shard copies.  Returns (shard elements, Muon shard elements)."""
+    lay = st.layout
+    dp, edp, L, E = lay.dp, lay.edp, st.local_dense, st.local_expert
+    pb, gb = run.param_bytes, run.grad_bytes
+    c.grad_sync = collective_time(hw, "reduce_scatter", st.g_dp, (dp - 1) / dp * L * gb) + \
+        collective_time(hw, "reduce_scatter", st.g_edp, (edp - 1) / edp * E * gb)
+    c.bd["param_gather"] = collective_time(hw, "all_gather", st.g_dp, (dp - 1) / dp * L * pb) + \
+        collective_time(hw, "all_gather", st.g_edp, (edp - 1) / edp * E * pb)
+    c.pg_recv = (dp - 1) / dp * L * pb + (edp - 1) / edp * E * pb
+    shard = L / dp + E / edp
+    muon_shard = st.dense_muon_local / dp + E / edp
+    c.bd["elementwise"] = run.main_copy_passes * hw.copy_time(shard)
+    c.weights = (pb + gb) * st.local_total
+    return shard, muon_shard
+
+
+def _cost_adamw(st, hw, run, mode) -> _Costs:
+    c = _Costs()
+    shard, _ = _zero1_common(st, hw, run, c)
+    c.bd["elementwise"] += hw.adam_time(shard)
+    c.opt_state = 8 * shard
+    c.main_state = 4 * shard + c.opt_state
+    return c
+
+
+def _cost_zero1_muon(st, hw, run, mode) -> _Costs:
+    """muon_naive, dmuon and dmuon_overlap: Megatron's ZeRO-1 + a Muon exchange."""
+    c = _Costs()
+    lay = st.layout
+    cb = run.muon_comm_bytes
+    shard, muon_shard = _zero1_common(st, hw, run, c)
+    adam_shard = shard - muon_shard
+    c.bd["elementwise"] += hw.muon_elem_time(muon_shard) + hw.adam_time(adam_shard)
+    c.opt_state = 4 * muon_shard + 8 * adam_shard
+    c.main_state = 4 * shard + c.opt_state
+    comm = ns = owned = 0.0
+    ws_units: list = []
+    for expert in st.kinds:
+        ts = st.experts if expert else st.dense
+        g = st.muon_group(expert)
+        if mode == "muon_naive":
+            full = sum(t.numel for t in ts if t.muon)
+            recv = naive_exchange_bytes(full, g.size, cb)
+            calls = sum(1 for t in ts if t.muon) if run.naive_per_matrix_calls else st.nbuckets
+            comm += collective_time(hw, "all_to_all", g, recv) + \
+                (calls - 1) * collective_time(hw, "all_to_all", g, 0.0)
+            c.muon_recv += recv
+            c.muon_sent += recv
+            units = [u for t in ts if t.muon for _, u in t.units]
+            ns += _ns_time(hw, units, run.ns_steps)
+            owned += full
+            ws_units += units
+        else:
+            plan, holdings, g = st.dmuon_plan(expert)
+            ex = owner_exchange(holdings, plan.owners, g)
+            gmax = max(range(g.size), key=lambda q: max(ex.gather_recv[q], ex.gather_sent[q]))
+            smax = max(range(g.size), key=lambda q: max(ex.scatter_recv[q], ex.scatter_sent[q]))
+            comm += collective_time(
+                hw, "all_to_all", g, max(ex.gather_recv[gmax], ex.gather_sent[gmax]) * cb,
+                ex.gather_inter[gmax] * cb)
+            comm += collective_time(
+                hw, "all_to_all", g, max(ex.scatter_recv[smax], ex.scatter_sent[smax]) * cb,
+                ex.scatter_inter[smax] * cb)
+            comm += 2 * (st.nbuckets - 1) * collective_time(hw, "all_to_all", g, 0.0)
+            c.muon_recv += max(ex.recv) * cb
+            c.muon_sent += max(ex.sent) * cb
+            per_rank: list = [[] for _ in range(g.size)]
+            for task in plan.tasks:
+                per_rank[plan.owners[task.key]].append(task.shape)
+            times = [_ns_time(hw, us, run.ns_steps) for us in per_rank]
+            w = max(range(g.size), key=lambda q: times[q])
+            ns += times[w]
+            ws_units += per_rank[w]
+            owned += max(plan.bytes_owned) / 4
+            c.imbalance = max(c.imbalance, plan.imbalance)
+            if not st.locality_used(expert):
+                c.notes.append(f"{'expert' if expert else 'dense'} owner plan: plain LPT "
+                               f"({len(plan.tasks)} units x {g.size} ranks > locality_max_work)")
+    c.bd["owned"] = hw.owned_time(owned)
+    c.bd["ns"] = ns
+    c.bd["muon_comm"] = comm
+    # owned buffer + NS result (fp32), the flat shard buffers, NS temporaries
+    c.workspace = 4 * (2 * owned + 2 * muon_shard) + _ns_workspace(ws_units, run.ns_dtype_bytes)
+    return c
+
+
+def _cost_mcore(st, hw, run, mode) -> _Costs:
+    """Megatron-Core layer-wise distributed Muon, muon_tp_mode='duplicated'."""
+    c = _Costs()
+    lay = st.layout
+    pb, gb, cb = run.param_bytes, run.grad_bytes, run.muon_comm_bytes
+    c.param_gather_overlappable = False  # allgather_params() runs inside step()
+    c.weights = (pb + gb) * st.local_total  # full params and full fp32 grads
+    ns = elem = tp_comm = pg = 0.0
+    ws_units: list = []
+    for expert in st.kinds:
+        ts = st.experts if expert else st.dense
+        n = lay.edp if expert else lay.dp
+        group = st.g_edp if expert else st.g_dp
+        ttp = lay.etp if expert else lay.tp
+        total = sum(t.local_numel for t in ts)
+        c.grad_sync += collective_time(hw, "all_reduce", group, (n - 1) / n * total * gb)
+        own = pingpong_owners([(t.name, t.local_numel) for t in ts], n)
+        elems, muon_elems, flops = [0] * n, [0] * n, [0.0] * n
+        units_of: list = [[] for _ in range(n)]
+        for t in ts:
+            r = own[t.name]
+            elems[r] += t.local_numel
+            if t.muon:
+                muon_elems[r] += t.local_numel
+                for _, u in t.units:
+                    flops[r] += ns_flops(u[0], u[1], run.ns_steps)
+                    units_of[r].append(u)
+        times = [_ns_time(hw, us, run.ns_steps) for us in units_of]
+        w = max(range(n), key=lambda q: times[q])
+        ns += times[w]
+        ws_units += units_of[w]
+        mean = sum(flops) / n
+        c.imbalance = max(c.imbalance, max(flops) / mean - 1 if mean else 0.0)
+        big = max(range(n), key=lambda q: elems[q])
+        adam_own = elems[big] - muon_elems[big]
+        elem += hw.muon_elem_time(muon_elems[big]) + hw.adam_time(adam_own) + \
+            run.main_copy_passes * hw.copy_time(elems[big])
+        c.opt_state += 4 * muon_elems[big] + 8 * adam_own
+        c.main_state += 4 * elems[big] + 4 * muon_elems[big] + 8 * adam_own
+        # TP all-gather of the owned matrices' shards; every TP rank runs the same NS
+        tp_recv = (ttp - 1) * max(muon_elems) * cb
+        tp_comm += collective_time(hw, "all_gather", Group(ttp, 1, lay.gpus_per_node), tp_recv)
+        c.muon_recv += tp_recv
+        c.muon_sent += tp_recv
+        # uneven all-gather of the updated params (all_gather with a list of sizes)
+        recv = (total - min(elems)) * pb
+        pg += collective_time(hw, "all_gather_v", group, recv)
+        c.pg_recv += recv
+        c.workspace += 4 * ttp * max(muon_elems)
+    c.bd.update(elementwise=elem, ns=ns, muon_comm=tp_comm, param_gather=pg)
+    c.workspace += _ns_workspace(ws_units, run.ns_dtype_bytes)
+    c.notes.append("owners: Megatron-Core's ping-pong deal of params sorted by size")
+    return c
+
+
+def _cost_matrix(st, hw, run, mode) -> _Costs:
+    """MatrixFSDP placement (ZeRO-1 / ZeRO-3) and the FSDP2 'reconstruct' baseline."""
+    c = _Costs()
+    lay = st.layout
+    pb, gb, cb = run.param_bytes, run.grad_bytes, run.muon_comm_bytes
+    ns = elem = tp_comm = rs = ag = 0.0
+    owned_total = 0.0
+    ws_units: list = []
+    for expert in st.kinds:
+        ts = st.experts if expert else st.dense
+        n = lay.edp if expert else lay.dp
+        group = st.g_edp if expert else st.g_dp
+        ttp = lay.etp if expert else lay.tp
+        total = sum(t.local_numel for t in ts)
+        muon_total = sum(t.local_numel for t in ts if t.muon)
+        if mode == "fsdp2_reconstruct":
+            owned = [total / n] * n  # FSDP2: every tensor cut evenly on dim 0
+            units = [u for t in ts if t.muon for _, u in t.units]
+            ns += _ns_time(hw, units, run.ns_steps)
+            ws_units += units
+            full = sum(t.numel for t in ts if t.muon)
+            gg = Group(n * ttp, group.stride // ttp if ttp > 1 else group.stride,
+                       lay.gpus_per_node)
+            recv = naive_exchange_bytes(full, gg.size, cb)
+            calls = sum(1 for t in ts if t.muon)  # full_tensor() per parameter
+            tp_comm += collective_time(hw, "all_gather", gg, recv) + \
+                (calls - 1) * collective_time(hw, "all_gather", gg, 0.0)
+            c.muon_recv += recv
+            c.muon_sent += recv
+            c.workspace = max(c.workspace, 4 * 2 * full)
+            muon_share = [muon_total / n] * n
+        else:
+            tasks = [UnitTask(t.name, t.units[0][1],
+                              sum(ns_flops(u[0], u[1], run.ns_steps) for _, u in t.units),
+                              4 * t.local_numel) for t in ts if t.muon]
+            plan = plan_owners(tasks, n)
+            c.imbalance = max(c.imbalance, plan.imbalance)
+            owned = [b / 4 for b in plan.bytes_owned]
+            muon_share = list(owned)
+            # non-matrix tensors need no whole placement: they fill the lightest ranks
+            owned = water_fill(owned, sum(t.local_numel for t in ts if not t.muon))
+            per_rank: list = [[] for _ in range(n)]
+            for t in ts:
+                if t.muon:
+                    per_rank[plan.owners[t.name]].extend(u for _, u in t.units)
+            times = [_ns_time(hw, us, run.ns_steps) for us in per_rank]
+            w = max(range(n), key=lambda q: times[q])
+            ns += times[w]
+            ws_units += per_rank[w]
+            if ttp > 1:  # a whole matrix is TP shards: gather them, NS duplicated on TP
+                tp_recv = (ttp - 1) * max(muon_share) * cb
+                tp_comm += collective_time(hw, "all_gather", Group(ttp, 1, lay.gpus_per_node),
+                                           tp_recv)
+                c.muon_recv += tp_recv
+                c.muon_sent += tp_recv
+                c.workspace = max(c.workspace, 4 * ttp * max(muon_share))
+        big = max(range(n), key=lambda q: owned[q])
+        pad = max(owned)  # uneven collectives pad every rank to the largest shard
+        rs += collective_time(hw, "reduce_scatter", group, (n - 1) * pad * gb)
+        ag += collective_time(hw, "all_gather", group, (n - 1) * pad * pb)
+        c.pg_recv += (total - min(owned)) * pb
+        owned_total += owned[big]
+        mu = muon_share[big]
+        elem += hw.muon_elem_time(mu) + hw.adam_time(owned[big] - mu)
+        c.opt_state += 4 * mu + 8 * (owned[big] - mu)
+        c.main_state += 4 * owned[big] + 4 * mu + 8 * (owned[big] - mu)
+        if n > 1 and mode != "fsdp2_reconstruct" and pad > 1.02 * total / n:
+            c.notes.append(f"{'expert' if expert else 'dense'} shards uneven: largest "
+                           f"{pad / (total / n):.2f} x mean (collectives pad to it)")
+    c.bd.update(elementwise=elem, ns=ns, muon_comm=tp_comm)
+    c.workspace = max(c.workspace, _ns_workspace(ws_units, run.ns_dtype_bytes))
+    layers = max(1, len(_layers_of_stage(st.model, lay.pp)))
+    if mode == "matrix_zero1":
+        c.grad_sync = rs
+        c.bd["param_gather"] = ag
+        c.weights = (pb + gb) * st.local_total
+    else:  # ZeRO-3: gather params in forward and in backward, reduce-scatter grads, per layer
+        c.zero3_comm = 2 * ag + rs
+        c.bd["param_gather"] = 0.0
+        c.pg_recv = 0.0
+        c.weights = (pb + gb) * owned_total + 2 * (pb + gb) * st.local_total / layers
+    return c
+
+
+def water_fill(levels: Sequence[float], amount: float) -> list:
+    """Pour ``amount`` onto the lowest ``levels`` until they are level (or it runs out)."""
+    out = list(levels)
+    if amount <= 0 or not out:
+        return out
+    order = sorted(out)
+    filled, k = amount, 0
+    level = order[0]
+    while k < len(order):
+        nxt = order[k + 1] if k + 1 < len(order) else math.inf
+        need = (nxt - level) * (k + 1)
+        if need >= filled:
+            level += filled / (k + 1)
+            break
+        filled -= need
+        level = nxt
+        k += 1
+    return [max(v, level) for v in out]
+
+
+_MODE_COSTS = {"adamw": _cost_adamw, "muon_naive": _cost_zero1_muon, "dmuon": _cost_zero1_muon,
+               "dmuon_overlap": _cost_zero1_muon, "mcore_layerwise": _cost_mcore,
+               "matrix_zero1": _cost_matrix, "matrix_zero3": _cost_matrix,
+               "fsdp2_reconstruct": _cost_matrix}
+
+
+def predict(model: ModelConfig, layout: Layout, hw: Hardware, mode: str,
+            run: RunConfig = RunConfig()) -> Prediction:
+    """Cost of one training step of ``mode`` on ``layout`` x ``hw`` (see the module doc).
+
+    ``opt_s`` counts the param all-gather as if it were not overlapped.  Exposed time:
+    - the ZeRO param all-gather hides under the next forward when ``overlap_param_gather``
+      (bucket by bucket: all but the last bucket's share can hide), except in
+      ``mcore_layerwise`` whose step gathers the params itself;
+    - ``dmuon_overlap``: the Muon work W = exchange + NS + owned-buffer handling runs bucket
+      by bucket during the backward pass, once a bucket's gradients are reduce-scattered.
+      Window assumption: window = overlap_efficiency x (1 - 1/buckets) x (backward compute
+      - gradient reduce-scatter time); the last bucket's share W / buckets never hides;
+      exposed = max(W / buckets, W - window).  overlap_efficiency (0.5) is the share of the
+      backward in which NS GEMMs and all-to-alls run without slowing the backward kernels
+      they share the GPU and the network with: an assumption, not a measurement.  NS run
+      early is speculative under gradient clipping (SPEC section 2), not counted here.
+    """
+    if mode not in _MODE_COSTS:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {MODES + EXTRA_MODES}")
+    st = _stage(model, layout, run)
+    fb = fwd_bwd_seconds(model, layout, run, hw)
+    c = _MODE_COSTS[mode](st, hw, run, mode)
+    bd = c.bd
+    bd["grad_norm"] = collective_time(hw, "all_reduce", st.g_world, 8)
+    bd["overhead"] = run.step_overhead_s if run.step_overhead_s is not None else \
+        hw.step_overhead_s
+    for k in ("elementwise", "owned", "ns", "muon_comm", "param_gather"):
+        bd.setdefault(k, 0.0)
+    opt_s = sum(bd.values())
+    pg = bd["param_gather"]
+    core = opt_s - pg
+    nb = st.nbuckets
+    notes = list(c.notes)
+    if mode == "dmuon_overlap":
+        work = bd["muon_comm"] + bd["ns"] + bd["owned"]
+        window = run.overlap_efficiency * (1 - 1 / nb) * max(0.0, fb["bwd"] - c.grad_sync)
+        core = core - work + _hidden(work, window, nb)
+        notes.append(f"overlap: window {window * 1e3:.2f} ms over {nb} buckets")
+    if c.param_gather_overlappable and run.overlap_param_gather:
+        pg_exposed = _hidden(pg, fb["fwd"] * (1 - 1 / nb), nb)
+    else:
+        pg_exposed = pg
+    exposed = core + pg_exposed
+    if run.overlap_grad_reduce:
+        gs_exposed = _hidden(c.grad_sync, fb["bwd"] * (1 - 1 / nb), nb)
+    else:
+        gs_exposed = c.grad_sync
+    layers = max(1, len(_layers_of_stage(model, layout.pp)))
+    z3_exposed = _hidden(c.zero3_comm, fb["compute"] * (1 - 1 / layers), layers)
+    bd["grad_sync_exposed"] = gs_exposed
+    bd["zero3_exposed"] = z3_exposed
+    memory = c.weights + c.main_state + c.workspace
+    if memory > hw.memory_gib * 2**30:
+        notes.append(f"does not fit: {memory / 2**30:.0f} GiB > {hw.memory_gib:.0f} GiB "
+                     "before activations")
+    return Prediction(
+        mode=mode, model=model.name, hardware=hw.name, layout=asdict(layout), opt_s=opt_s,
+        exposed_s=exposed, step_s=fb["compute"] + gs_exposed + exposed + z3_exposed,
+        fwd_bwd_s=fb["compute"], muon_recv_bytes=c.muon_recv, muon_sent_bytes=c.muon_sent,
+        opt_recv_bytes=c.muon_recv + c.pg_recv, memory_bytes=memory, state_bytes=c.opt_state,
+        imbalance=c.imbalance, breakdown=bd, notes=notes)
+
+
+def layout_for(world: int, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
+               gpus_per_node: int = 8) -> Optional[Layout]:
+    """The layout with DP = world / (TP x PP), or None when it does not divide."""
+    if world % (tp * pp):
+        return None
+    lay = Layout(tp=tp, pp=pp, dp=world // (tp * pp), ep=ep, etp=etp,
+                 gpus_per_node=gpus_per_node)
+    try:
+        lay.check()
+    except ValueError:
+        return None
+    return lay
+
+
+def sweep(model: ModelConfig, hw: Hardware, modes: Sequence[str], worlds: Sequence[int],
+          run: RunConfig = RunConfig(), tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
+          gpus_per_node: int = 8) -> list[Prediction]:
+    out = []
+    for w in worlds:
+        lay = layout_for(w, tp, pp, ep, etp, gpus_per_node)
+        if lay is None:
+            continue
+        for m in modes:
+            out.append(predict(model, lay, hw, m, run))
+    return out
+
+
+def with_overrides(model: ModelConfig, **kw) -> ModelConfig:
+    return replace(model, **kw)
