@@ -3,9 +3,9 @@
 Predicts, for a model config, a parallel layout, a hardware profile and an optimizer mode,
 what one training step costs per rank:
 
-- ``opt_s``: the optimizer step on the critical path when nothing overlaps it (what
-  ``tools/bench_optimizer.py`` measures: elementwise updates, Newton-Schulz (NS), the Muon
-  exchange, and the ZeRO parameter all-gather when it is not overlapped);
+- ``opt_s``: ``optimizer.step()`` (what ``tools/bench_optimizer.py`` times): elementwise
+  updates, Newton-Schulz (NS), the Muon exchange, and the ZeRO parameter all-gather unless
+  ``overlap_param_gather`` moves it into the next forward;
 - ``exposed_s``: the part of the optimizer's work that the training step waits for;
 - ``step_s``: forward/backward compute (an assumed MFU) + exposed gradient sync + ``exposed_s``;
 - bytes per rank, memory per rank (weights, grads, optimizer state, Muon workspace; not
@@ -166,6 +166,7 @@ class RunConfig:
     naive_per_matrix_calls: bool = False  # naive Muon issuing one collective per matrix
     megatron_pad: bool = True  # Megatron's 64-element param and lcm(DP,128) bucket padding
     main_copy_passes: int = 2  # bf16 training: grads -> fp32 main shard, main -> bf16 params
+    grad_norm_calls: int = 1  # all-reduces of the global grad norm per step (clipping)
     step_overhead_s: Optional[float] = None  # fixed per-step cost; None: the hardware's
 
 
@@ -294,6 +295,9 @@ MODELS: dict[str, ModelConfig] = {
     "bench-tiny": ModelConfig(name="bench-tiny", num_layers=4, hidden_size=384,
                               ffn_hidden_size=1536, num_attention_heads=6, vocab_size=256,
                               normalization="LayerNorm", seq_length=32),
+    "gpt-1.3b": ModelConfig(name="gpt-1.3b", num_layers=24, hidden_size=2048,
+                            ffn_hidden_size=8192, num_attention_heads=16, vocab_size=50304,
+                            normalization="LayerNorm", seq_length=2048),
     "llama3-8b": ModelConfig(name="llama3-8b", num_layers=32, hidden_size=4096,
                              ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
                              vocab_size=128256, swiglu=True, seq_length=8192),
@@ -666,7 +670,7 @@ class Prediction:
     model: str
     hardware: str
     layout: dict
-    opt_s: float  # optimizer step, critical path, nothing overlapped
+    opt_s: float  # optimizer.step(): param all-gather included unless overlap_param_gather
     exposed_s: float  # optimizer work the step waits for (incl. un-hidden param gather)
     step_s: float  # fwd/bwd + exposed grad sync + exposed_s (+ ZeRO-3 exposed gathers)
     fwd_bwd_s: float
@@ -1074,7 +1078,8 @@ def predict(model: ModelConfig, layout: Layout, hw: Hardware, mode: str,
             run: RunConfig = RunConfig()) -> Prediction:
     """Cost of one training step of ``mode`` on ``layout`` x ``hw`` (see the module doc).
 
-    ``opt_s`` counts the param all-gather as if it were not overlapped.  Exposed time:
+    ``opt_s`` is ``optimizer.step()`` as Megatron runs it: the ZeRO param all-gather is in
+    it unless ``overlap_param_gather`` moves it into the next forward.  Exposed time:
     - the ZeRO param all-gather hides under the next forward when ``overlap_param_gather``
       (bucket by bucket: all but the last bucket's share can hide), except in
       ``mcore_layerwise`` whose step gathers the params itself;
@@ -1093,14 +1098,15 @@ def predict(model: ModelConfig, layout: Layout, hw: Hardware, mode: str,
     fb = fwd_bwd_seconds(model, layout, run, hw)
     c = _MODE_COSTS[mode](st, hw, run, mode)
     bd = c.bd
-    bd["grad_norm"] = collective_time(hw, "all_reduce", st.g_world, 8)
+    bd["grad_norm"] = run.grad_norm_calls * collective_time(hw, "all_reduce", st.g_world, 8)
     bd["overhead"] = run.step_overhead_s if run.step_overhead_s is not None else \
         hw.step_overhead_s
     for k in ("elementwise", "owned", "ns", "muon_comm", "param_gather"):
         bd.setdefault(k, 0.0)
-    opt_s = sum(bd.values())
     pg = bd["param_gather"]
-    core = opt_s - pg
+    pg_in_step = not (c.param_gather_overlappable and run.overlap_param_gather)
+    core = sum(bd.values()) - pg
+    opt_s = core + (pg if pg_in_step else 0.0)
     nb = st.nbuckets
     notes = list(c.notes)
     if mode == "dmuon_overlap":
@@ -1108,10 +1114,7 @@ def predict(model: ModelConfig, layout: Layout, hw: Hardware, mode: str,
         window = run.overlap_efficiency * (1 - 1 / nb) * max(0.0, fb["bwd"] - c.grad_sync)
         core = core - work + _hidden(work, window, nb)
         notes.append(f"overlap: window {window * 1e3:.2f} ms over {nb} buckets")
-    if c.param_gather_overlappable and run.overlap_param_gather:
-        pg_exposed = _hidden(pg, fb["fwd"] * (1 - 1 / nb), nb)
-    else:
-        pg_exposed = pg
+    pg_exposed = pg if pg_in_step else _hidden(pg, fb["fwd"] * (1 - 1 / nb), nb)
     exposed = core + pg_exposed
     if run.overlap_grad_reduce:
         gs_exposed = _hidden(c.grad_sync, fb["bwd"] * (1 - 1 / nb), nb)

@@ -17,7 +17,21 @@ import torch
 from .newton_schulz import muon_scale, newton_schulz, resolve_coefficients, SCALE_MODES
 from .units import Unit, extract_unit, insert_unit, whole_units
 
-__all__ = ["Muon", "muon_update_direction", "check_muon_hyperparameters"]
+__all__ = ["Muon", "muon_update_direction", "check_muon_hyperparameters", "momentum_update",
+           "check_finite_gradient"]
+
+
+def momentum_update(buf: torch.Tensor, grad: torch.Tensor, momentum: float,
+                    nesterov: bool) -> torch.Tensor:
+    """M <- mu M + G in place; returns U = G + mu M (Nesterov) or M.  Shared by every Muon."""
+    buf.mul_(momentum).add_(grad)
+    return grad.add(buf, alpha=momentum) if nesterov else buf
+
+
+def check_finite_gradient(grad: torch.Tensor, who: str, what: str) -> None:
+    if not torch.isfinite(grad).all():
+        raise ValueError(f"{who} got a non-finite (NaN/Inf) gradient for a {what} of shape "
+                         f"{tuple(grad.shape)}; check the loss scale or the data")
 
 
 def check_muon_hyperparameters(*, momentum: float, ns_steps: int, coefficient_type,
@@ -103,17 +117,11 @@ class Muon(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 g = p.grad.float()
-                if not torch.isfinite(g).all():
-                    raise ValueError(
-                        f"Muon got a non-finite (NaN/Inf) gradient for a parameter of shape "
-                        f"{tuple(p.shape)}; check the loss scale or the data"
-                    )
+                check_finite_gradient(g, "Muon", "parameter")
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(g)
-                buf = state["momentum_buffer"]
-                buf.mul_(mu).add_(g)
-                update = g.add(buf, alpha=mu) if group["nesterov"] else buf
+                update = momentum_update(state["momentum_buffer"], g, mu, group["nesterov"])
                 direction = muon_update_direction(
                     update, self._units[p], ns_steps=group["ns_steps"],
                     coefficient_type=group["coefficient_type"], scale_mode=group["scale_mode"],

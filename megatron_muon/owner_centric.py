@@ -189,11 +189,15 @@ class OwnerCentricNS:
         n = sum(t.send_index.numel() + t.recv_pos.numel() for t in tabs)
         return 8 * (n + self.local_copy[0].numel() + self.local_copy[1].numel())
 
+    def _exchange(self, t: _Table, src: torch.Tensor, dst: torch.Tensor, kind: str) -> None:
+        """src[t.send_index] -> all_to_all -> dst[t.recv_pos]."""
+        recv, _ = all_to_all_flat(src.index_select(0, t.send_index), t.send_counts,
+                                  t.recv_counts, self.group, self.stats, kind)
+        dst.index_copy_(0, t.recv_pos, recv)
+
     def gather(self, local: torch.Tensor, bucket: int, owned: torch.Tensor) -> None:
-        t = self.gather_tables[bucket]
-        recv, _ = all_to_all_flat(local.index_select(0, t.send_index), t.send_counts,
-                                  t.recv_counts, self.group, self.stats, "gather")
-        owned.index_copy_(0, t.recv_pos, recv)
+        """Pieces of this bucket's units -> their owners' unit buffers."""
+        self._exchange(self.gather_tables[bucket], local, owned, "gather")
 
     def orthogonalize(self, owned: torch.Tensor) -> torch.Tensor:
         """Batched NS (times the Muon scale) on this rank's units, one batch per shape."""
@@ -207,10 +211,8 @@ class OwnerCentricNS:
         return out
 
     def scatter(self, result: torch.Tensor, bucket: int, local_out: torch.Tensor) -> None:
-        t = self.scatter_tables[bucket]
-        recv, _ = all_to_all_flat(result.index_select(0, t.send_index), t.send_counts,
-                                  t.recv_counts, self.group, self.stats, "scatter")
-        local_out.index_copy_(0, t.recv_pos, recv)
+        """Owners' results -> every holder's pieces of this bucket."""
+        self._exchange(self.scatter_tables[bucket], result, local_out, "scatter")
 
     def run(self, local: torch.Tensor) -> torch.Tensor:
         """``local``: this rank's flat momentum-updated pieces -> its flat scaled NS pieces."""

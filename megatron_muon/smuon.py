@@ -64,7 +64,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from .muon import check_muon_hyperparameters
+from .muon import check_finite_gradient, check_muon_hyperparameters, momentum_update
 from .newton_schulz import Coefficients, muon_scale, newton_schulz, resolve_coefficients
 
 __all__ = ["smuon_direction", "SMuon"]
@@ -372,17 +372,12 @@ class SMuon(torch.optim.Optimizer):
                     if p.grad is not None and p.grad.is_sparse:
                         raise ValueError("SMuon does not support sparse gradients")
                     g = torch.zeros_like(p, dtype=cdt) if p.grad is None else p.grad.to(cdt)
-                    if not torch.isfinite(g).all():
-                        raise ValueError(
-                            f"SMuon got a non-finite (NaN/Inf) gradient for a LoRA factor of "
-                            f"shape {tuple(p.shape)}; check the loss scale or the data"
-                        )
+                    check_finite_gradient(g, "SMuon", "LoRA factor")
                     state = self.state[p]
                     if "momentum_buffer" not in state:
                         state["momentum_buffer"] = torch.zeros_like(g)
-                    buf = state["momentum_buffer"]
-                    buf.mul_(mu).add_(g)
-                    updates.append(g.add(buf, alpha=mu) if group["nesterov"] else buf)
+                    updates.append(momentum_update(state["momentum_buffer"], g, mu,
+                                                   group["nesterov"]))
                 dA, dB = smuon_direction(
                     A, B, updates[0], updates[1], gamma=group["gamma"],
                     damping=group["damping"], ns_steps=group["ns_steps"],

@@ -26,12 +26,12 @@ LAYOUTS = {  # name: (tp, pp, world, microbatches per DP rank)
 _CACHE = {}
 
 
-def train(name, optimizer="dmuon", opt=None, steps=STEPS, **extra):
-    key = (name, optimizer, repr(opt), steps, repr(extra))
+def train(name, optimizer="dmuon", opt=None, steps=STEPS, cfg_extra=None, **extra):
+    key = (name, optimizer, repr(opt), steps, repr(cfg_extra), repr(extra))
     if key not in _CACHE:
         tp, pp, world, m = LAYOUTS[name]
         _CACHE[key] = run_ranks("megatron_muon.testing.workers:train_megatron", world,
-                                dict(cfg={"num_microbatches": m}, tp=tp, pp=pp,
+                                dict(cfg={"num_microbatches": m, **(cfg_extra or {})}, tp=tp, pp=pp,
                                      optimizer=optimizer, opt=opt or OPT, steps=steps, **extra),
                                 timeout=420)
     return _CACHE[key]
@@ -131,3 +131,22 @@ def test_checkpoint_reshards_to_another_dp_and_tp(saved_dp4, layout):
     d, full, _ = saved_dp4
     resumed = merged_params(train(layout, steps=4, checkpoint=dict(load=d)))
     assert max((full[n] - resumed[n]).abs().max().item() for n in full) < ATOL
+
+
+# --------------------------------------------------------------------------- mixed precision
+def test_fp16_found_inf_skips_the_step_and_training_continues():
+    res = train("tp2dp2", opt=dict(OPT, initial_loss_scale=1024.0), steps=4, inf_at_step=2,
+                params_each_step=True, cfg_extra={"fp16": True})
+    r = res[0]
+    assert r["updated"] == [True, True, False, True]
+    before, skipped, after = r["history"][1], r["history"][2], r["history"][3]
+    assert all(torch.equal(before[n], skipped[n]) for n in before)  # nothing moved
+    assert max((skipped[n] - after[n]).abs().max().item() for n in before) > 1e-3
+    assert all(l == l for l in r["losses"] if l is not None)
+
+
+def test_bf16_params_dmuon_equals_naive():
+    """bf16 model params, fp32 main params: owners compute exactly what every rank would."""
+    a = merged_params(train("tp2dp2", steps=3, cfg_extra={"bf16": True}))
+    b = merged_params(train("tp2dp2", optimizer="muon_naive", steps=3, cfg_extra={"bf16": True}))
+    assert max((a[n] - b[n]).abs().max().item() for n in a) < 1e-6

@@ -24,6 +24,18 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# Megatron-Core 0.19's Muon needs emerging_optimizers, whose code uses typing.override
+# (Python 3.12); on 3.11 alias it before Megatron imports it (benchmark only).
+import typing  # noqa: E402
+
+if not hasattr(typing, "override"):
+    try:
+        import typing_extensions
+
+        typing.override = typing_extensions.override
+    except ImportError:
+        pass
+
 
 def _mcore_muon_config(base: dict, tp_mode: str):
     from megatron.core.optimizer import OptimizerConfig

@@ -22,6 +22,7 @@ from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 
+from ..muon import momentum_update
 from ..owner_centric import OwnerCentricNS, Piece, ShardedMatrix
 from ..plan import UnitTask, flops_cost, plan_owners
 from . import compat
@@ -223,9 +224,7 @@ class ShardedMuonStep(torch.optim.Optimizer):
             for p in group["params"]:
                 st = self.state[p]
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
-                buf = st["momentum_buffer"]
-                buf.mul_(mu).add_(g)
-                u = g.add(buf, alpha=mu) if self.nesterov else buf
+                u = momentum_update(st["momentum_buffer"], g, mu, self.nesterov)
                 flat[self.offsets[p]: self.offsets[p] + p.numel()].copy_(u.view(-1))
             group["step"] += 1
         if self.check_finite and not bool(torch.isfinite(flat).all()):

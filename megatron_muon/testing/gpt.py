@@ -41,6 +41,7 @@ class TinyGPTConfig:
     swiglu: bool = False
     add_bias_linear: bool = False
     bf16: bool = False
+    fp16: bool = False
     num_moe_experts: Optional[int] = None
     seed: int = 1234
     data_seed: int = 42
@@ -64,6 +65,12 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int =
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available())
 
 
+def _dtype(cfg: TinyGPTConfig) -> torch.dtype:
+    if cfg.bf16 and cfg.fp16:
+        raise ValueError("choose at most one of bf16 and fp16")
+    return torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
+
+
 def transformer_config(cfg: TinyGPTConfig):
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
@@ -74,9 +81,7 @@ def transformer_config(cfg: TinyGPTConfig):
         num_query_groups=cfg.num_query_groups, use_cpu_initialization=True,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        pipeline_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
-        params_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
-        bf16=cfg.bf16, add_bias_linear=cfg.add_bias_linear, gated_linear_unit=cfg.swiglu,
+        pipeline_dtype=_dtype(cfg), params_dtype=_dtype(cfg), bf16=cfg.bf16, fp16=cfg.fp16, add_bias_linear=cfg.add_bias_linear, gated_linear_unit=cfg.swiglu,
         hidden_dropout=0.0, attention_dropout=0.0, batch_p2p_sync=False,
         num_moe_experts=cfg.num_moe_experts,
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
@@ -120,8 +125,8 @@ def build_gpt(cfg: TinyGPTConfig, *, wrap_ddp: bool = True, ddp_config=None,
                          share_embeddings_and_output_weights=False,
                          position_embedding_type="rope", **kw)
         layout_invariant_init(model, cfg)
-        if cfg.bf16:
-            model = model.to(torch.bfloat16)
+        if cfg.bf16 or cfg.fp16:
+            model = model.to(_dtype(cfg))
         chunks.append(model)
     if not wrap_ddp:
         return chunks

@@ -37,8 +37,14 @@ def make_optimizer_config(optimizer: str, **overrides):
 def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = None,
                    optimizer: str = "adam", opt: Optional[dict] = None, steps: int = 3,
                    ddp: Optional[dict] = None, return_params: bool = True,
-                   checkpoint: Optional[dict] = None) -> dict:
-    """Train the tiny GPT for ``steps`` steps; return losses and (TP-gathered) parameters."""
+                   checkpoint: Optional[dict] = None, inf_at_step: Optional[int] = None,
+                   params_each_step: bool = False) -> dict:
+    """Train the tiny GPT for ``steps`` steps; return losses and (TP-gathered) parameters.
+
+    ``inf_at_step`` writes an Inf into every rank's reduced gradient buffer at that step
+    (the optimizer must detect it and skip the step); ``params_each_step`` also returns the
+    parameters after every step.
+    """
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_muon.megatron.factory import get_megatron_optimizer
@@ -49,7 +55,7 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
                       grad_reduce_in_fp32=True)
     ddp_kwargs.update(ddp or {})
     model = build_gpt(gcfg, ddp_config=DistributedDataParallelConfig(**ddp_kwargs))
-    ocfg = make_optimizer_config(optimizer, bf16=gcfg.bf16, **(opt or {}))
+    ocfg = make_optimizer_config(optimizer, **{"bf16": gcfg.bf16, "fp16": gcfg.fp16, **(opt or {})})
     optim = get_megatron_optimizer(ocfg, model)
     sched = constant_scheduler(optim, ocfg)
     lr = layout_ranks()
@@ -59,16 +65,27 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
         from megatron_muon.megatron.checkpoint import load_checkpoint
 
         start = load_checkpoint(checkpoint["load"], model, optim, sched)
+    history, updated = [], []
     for step in range(start, steps):
         sched.step(1)
-        out = train_step(model, optim, gcfg, step, lr["dp"], lr["dp_size"])
+        hook = None
+        if step == inf_at_step:
+            def hook():
+                for chunk in model:
+                    for buf in chunk.buffers:
+                        buf.grad_data.fill_(float("inf"))
+        out = train_step(model, optim, gcfg, step, lr["dp"], lr["dp_size"], grad_hook=hook)
         losses.append(out.get("loss"))
         norms.append(out.get("grad_norm"))
+        updated.append(out.get("update_successful"))
+        if params_each_step:
+            history.append(full_named_params(model))
         if checkpoint and checkpoint.get("save") and step + 1 == checkpoint.get("save_at"):
             from megatron_muon.megatron.checkpoint import save_checkpoint
 
             save_checkpoint(checkpoint["save"], model, optim, step + 1, sched)
-    result = dict(layout=lr, losses=losses, grad_norms=norms, rank=dist.get_rank())
+    result = dict(layout=lr, losses=losses, grad_norms=norms, rank=dist.get_rank(),
+                  updated=updated, history=history)
     if return_params:
         result["params"] = full_named_params(model)
     for sub in getattr(optim, "chained_optimizers", [optim]):
