@@ -28,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (Python 3.12); on 3.11 alias it before Megatron imports it (benchmark only).
 import typing  # noqa: E402
 
+import torch  # noqa: E402
+
 if not hasattr(typing, "override"):
     try:
         import typing_extensions
@@ -45,6 +47,27 @@ def _mcore_muon_config(base: dict, tp_mode: str):
                            muon_momentum=0.95, muon_num_ns_steps=base["ns_steps"],
                            muon_fp32_matmul_prec=base["prec"], muon_coefficient_type="quintic",
                            lr=1e-3, weight_decay=0.01, bf16=False)
+
+
+def _fp32_layer_wise_workaround(optim, config):
+    """megatron-core 0.19.2 wraps the layer-wise optimizer's torch optimizers only for bf16;
+    in fp32 they stay raw and ``step()`` fails (ENVIRONMENT.md). Wrap them in FP32Optimizer."""
+    from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
+
+    stack = [optim]
+    while stack:
+        o = stack.pop()
+        subs = getattr(o, "chained_optimizers", None)
+        if subs is None:
+            continue
+        if getattr(o, "config", None) is None:
+            o.config = config
+        for i, sub in enumerate(subs):
+            if isinstance(sub, torch.optim.Optimizer) and not isinstance(sub, MegatronOptimizer):
+                subs[i] = FP32Optimizer(sub, config, None)
+            else:
+                stack.append(sub)
+    return optim
 
 
 def worker(cfg: dict, tp: int, optimizers: list, steps: int, warmup: int, prec: str,
@@ -69,7 +92,7 @@ def worker(cfg: dict, tp: int, optimizers: list, steps: int, warmup: int, prec: 
                                           "duplicated" if name.endswith("duplicated") else "blockwise")
                 model = build_gpt(gcfg, ddp_config=DistributedDataParallelConfig(
                     use_distributed_optimizer=False))
-                optim = mcore_get(ocfg, model)
+                optim = _fp32_layer_wise_workaround(mcore_get(ocfg, model), ocfg)
             else:
                 ocfg = make_optimizer_config(name, lr=1e-3, muon_fp32_matmul_prec=prec,
                                              muon_num_ns_steps=ns_steps, dmuon_log_plan=False)
@@ -81,14 +104,18 @@ def worker(cfg: dict, tp: int, optimizers: list, steps: int, warmup: int, prec: 
             continue
         lr = layout_ranks()
         times = []
-        for step in range(warmup + steps):
-            train_step(model, None, gcfg, step, lr["dp"], lr["dp_size"])  # grads only
-            dist.barrier()
-            t0 = time.perf_counter()
-            optim.step()
-            dist.barrier()
-            if step >= warmup:
-                times.append(time.perf_counter() - t0)
+        try:
+            for step in range(warmup + steps):
+                train_step(model, None, gcfg, step, lr["dp"], lr["dp_size"])  # grads only
+                dist.barrier()
+                t0 = time.perf_counter()
+                optim.step()
+                dist.barrier()
+                if step >= warmup:
+                    times.append(time.perf_counter() - t0)
+        except RuntimeError as e:  # e.g. gloo has no uneven all_gather
+            out[name] = {"error": f"step failed: {str(e).splitlines()[0][:120]}"}
+            continue
         rec = {"step_s": statistics.median(times)}
         for sub in getattr(optim, "chained_optimizers", [optim]):
             if hasattr(sub, "dmuon_stats"):
