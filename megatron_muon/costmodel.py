@@ -59,7 +59,7 @@ __all__ = [
     "exchange_elements", "owner_exchange", "Exchange", "naive_exchange_bytes", "owner_exchange_bytes_even",
     "collective_time", "Group", "load_cpu_profile", "fwd_bwd_seconds", "pingpong_owners",
     "ADAM_BYTES_PER_ELEM", "MUON_BYTES_PER_ELEM", "OWNED_BYTES_PER_ELEM", "layout_for", "sweep",
-    "model_param_counts", "unit_holdings", "water_fill",
+    "model_param_counts", "unit_holdings", "water_fill", "mcore19_layout",
 ]
 
 MODES = ("adamw", "muon_naive", "mcore_layerwise", "dmuon", "dmuon_overlap",
@@ -167,6 +167,7 @@ class RunConfig:
     megatron_pad: bool = True  # Megatron's 64-element param and lcm(DP,128) bucket padding
     main_copy_passes: int = 2  # bf16 training: grads -> fp32 main shard, main -> bf16 params
     grad_norm_calls: int = 1  # all-reduces of the global grad norm per step (clipping)
+    mcore_layout: str = "0.19"  # mcore_layerwise as in Megatron-Core 0.19 or 0.16 (see there)
     step_overhead_s: Optional[float] = None  # fixed per-step cost; None: the hardware's
 
 
@@ -909,12 +910,55 @@ def _cost_zero1_muon(st, hw, run, mode) -> _Costs:
     return c
 
 
+def mcore19_layout(sizes: Sequence[tuple[str, int]], n: int, bucket_elems: Optional[int]
+                   ) -> tuple[dict, list]:
+    """Megatron-Core 0.19 ``LayerWiseDistributedOptimizer._compute_per_buffer_param_layout``
+    for the Muon buffer: params in backprop (reverse) order cut into chunks of at least
+    max(bucket_size, 0.9 x DP x largest param); inside a chunk, largest first to the shard
+    with the smallest cursor (64-element aligned); every shard of a bucket padded to the
+    largest.  Returns ({name: owner}, [padded shard size per bucket])."""
+    owners: dict = {}
+    padded: list = []
+
+    def emit(chunk):
+        if not chunk:
+            return
+        cursors = [0] * n
+        for name, numel in sorted(chunk, key=lambda x: -x[1]):
+            q = min(range(n), key=lambda s: (cursors[s], s))
+            owners[name] = q
+            cursors[q] = -(-cursors[q] // 64) * 64 + numel
+        padded.append(-(-max(cursors) // 128) * 128)
+
+    chunk, numel, biggest = [], 0, 0
+    for name, size in reversed(list(sizes)):
+        chunk.append((name, size))
+        numel += size
+        biggest = max(biggest, size)
+        if bucket_elems is not None and numel >= max(bucket_elems, int(n * biggest * 0.9)):
+            emit(chunk)
+            chunk, numel, biggest = [], 0, 0
+    emit(chunk)
+    return owners, padded
+
+
 def _cost_mcore(st, hw, run, mode) -> _Costs:
-    """Megatron-Core layer-wise distributed Muon, muon_tp_mode='duplicated'."""
+    """Megatron-Core layer-wise distributed Muon, muon_tp_mode='duplicated'.
+
+    ``run.mcore_layout == '0.16'``: ``shard_params`` deals every parameter (Muon and AdamW
+    ones) ping-pong over DP by size; DDP all-reduces full gradients; ``allgather_params()``
+    all-gathers the updated parameters inside ``step()`` (never overlapped).
+    ``'0.19'``: the Muon matrices get a shard-aligned buffer (``mcore19_layout``), so
+    gradients are reduce-scattered and parameters all-gathered by the distributed
+    optimizer's bucketed collectives (padded to the largest shard; overlappable); AdamW
+    parameters keep Megatron's usual distributed optimizer.
+    Either way each TP rank all-gathers its owned matrices' TP shards and runs the same NS.
+    """
     c = _Costs()
     lay = st.layout
     pb, gb, cb = run.param_bytes, run.grad_bytes, run.muon_comm_bytes
-    c.param_gather_overlappable = False  # allgather_params() runs inside step()
+    v19 = run.mcore_layout == "0.19"
+    c.param_gather_overlappable = v19
     c.weights = (pb + gb) * st.local_total  # full params and full fp32 grads
     ns = elem = tp_comm = pg = 0.0
     ws_units: list = []
@@ -924,11 +968,26 @@ def _cost_mcore(st, hw, run, mode) -> _Costs:
         group = st.g_edp if expert else st.g_dp
         ttp = lay.etp if expert else lay.tp
         total = sum(t.local_numel for t in ts)
-        c.grad_sync += collective_time(hw, "all_reduce", group, (n - 1) / n * total * gb)
-        own = pingpong_owners([(t.name, t.local_numel) for t in ts], n)
-        elems, muon_elems, flops = [0] * n, [0] * n, [0.0] * n
+        muon_ts = [t for t in ts if t.muon]
+        adam_total = total - sum(t.local_numel for t in muon_ts)
+        if v19:
+            own, padded = mcore19_layout([(t.name, t.local_numel) for t in muon_ts], n,
+                                         st.bucket)
+            shard_pad = sum(padded)  # per rank, Muon buffer
+            adam_shard = adam_total / n
+            c.grad_sync += collective_time(hw, "reduce_scatter", group,
+                                           (n - 1) * (shard_pad + adam_shard) * gb)
+            recv = (n - 1) * (shard_pad + adam_shard) * pb
+            pg += collective_time(hw, "all_gather", group, recv)
+            c.pg_recv += recv
+        else:
+            own = pingpong_owners([(t.name, t.local_numel) for t in ts], n)
+            c.grad_sync += collective_time(hw, "all_reduce", group, (n - 1) / n * total * gb)
+        elems, muon_elems, flops = [0.0] * n, [0] * n, [0.0] * n
         units_of: list = [[] for _ in range(n)]
         for t in ts:
+            if t.name not in own:
+                continue
             r = own[t.name]
             elems[r] += t.local_numel
             if t.muon:
@@ -936,6 +995,12 @@ def _cost_mcore(st, hw, run, mode) -> _Costs:
                 for _, u in t.units:
                     flops[r] += ns_flops(u[0], u[1], run.ns_steps)
                     units_of[r].append(u)
+        if v19:
+            elems = [e + adam_total / n for e in elems]
+        else:  # uneven all-gather of the updated params (all_gather with a list of sizes)
+            recv = (total - min(elems)) * pb
+            pg += collective_time(hw, "all_gather_v", group, recv)
+            c.pg_recv += recv
         times = [_ns_time(hw, us, run.ns_steps) for us in units_of]
         w = max(range(n), key=lambda q: times[q])
         ns += times[w]
@@ -953,14 +1018,12 @@ def _cost_mcore(st, hw, run, mode) -> _Costs:
         tp_comm += collective_time(hw, "all_gather", Group(ttp, 1, lay.gpus_per_node), tp_recv)
         c.muon_recv += tp_recv
         c.muon_sent += tp_recv
-        # uneven all-gather of the updated params (all_gather with a list of sizes)
-        recv = (total - min(elems)) * pb
-        pg += collective_time(hw, "all_gather_v", group, recv)
-        c.pg_recv += recv
         c.workspace += 4 * ttp * max(muon_elems)
     c.bd.update(elementwise=elem, ns=ns, muon_comm=tp_comm, param_gather=pg)
     c.workspace += _ns_workspace(ws_units, run.ns_dtype_bytes)
-    c.notes.append("owners: Megatron-Core's ping-pong deal of params sorted by size")
+    c.notes.append("owners: Megatron-Core " + (
+        "0.19 shard-aligned layout (LPT by size per bucket)" if v19 else
+        "0.16 ping-pong deal of params sorted by size"))
     return c
 
 

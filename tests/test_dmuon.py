@@ -150,3 +150,29 @@ def test_bf16_params_dmuon_equals_naive():
     a = merged_params(train("tp2dp2", steps=3, cfg_extra={"bf16": True}))
     b = merged_params(train("tp2dp2", optimizer="muon_naive", steps=3, cfg_extra={"bf16": True}))
     assert max((a[n] - b[n]).abs().max().item() for n in a) < 1e-6
+
+
+# --------------------------------------------------------------------------- MoE
+MOE = {"num_moe_experts": 2, "num_microbatches": 2,
+       "extra": {"moe_token_dispatcher_type": "allgather"}}  # alltoall: gloo wants list splits
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_experts_equal_reference(ep):
+    """One unit per expert, planned over the expert-data-parallel group (EP1: 2 ranks share
+    the experts' work; EP2: each rank owns its local experts)."""
+    key = ("moe_reference",)
+    if key not in _CACHE:
+        _CACHE[key] = run_ranks("megatron_muon.testing.reference:reference_train", 1,
+                                dict(cfg=dict(MOE, num_microbatches=4), dp_size=1, steps=4,
+                                     opt=OPT), timeout=300)[0]
+    ref = _CACHE[key]
+    res = run_ranks("megatron_muon.testing.workers:train_megatron", 2,
+                    dict(cfg=MOE, ep=ep, optimizer="dmuon", opt=OPT, steps=4), timeout=300)
+    full = {}
+    for r in res:
+        full.update(r["params"])
+    assert set(full) == set(ref["params"])
+    assert any("local_experts.1." in n for n in full)
+    worst = max((full[n] - ref["params"][n]).abs().max().item() for n in full)
+    assert worst < ATOL, worst

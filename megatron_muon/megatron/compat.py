@@ -69,7 +69,8 @@ def _distributed_optimizer_class(cls):
 
 
 def build_distributed_optimizer(config, model_chunks, param_groups, cls, use_gloo: bool = True,
-                                pg_collection: Optional[ProcessGroupCollection] = None):
+                                pg_collection: Optional[ProcessGroupCollection] = None,
+                                expert: bool = False):
     """Build a DistributedOptimizer subclass over ``param_groups`` exactly as Megatron would.
 
     Megatron's ``_get_megatron_optimizer_based_on_param_groups`` picks the Adam
@@ -81,13 +82,18 @@ def build_distributed_optimizer(config, model_chunks, param_groups, cls, use_glo
     dp_cp, intra = groups["dp_cp_group"], groups["intra_dp_cp_group"]
     if dp_cp.size() > intra.size():
         raise ValueError("optimizer='dmuon' does not support num_distributed_optimizer_instances > 1")
-    buffers = {i: chunk.buffers for i, chunk in enumerate(model_chunks) if hasattr(chunk, "buffers")}
+    attr = "expert_parallel_buffers" if expert else "buffers"
+    buffers = {i: getattr(c, attr) for i, c in enumerate(model_chunks) if getattr(c, attr, None)}
+    if expert:
+        mp, dp = groups["expt_tp_pp_group"], groups["intra_expt_dp_group"]
+        dp_gloo = groups["intra_expt_dp_group_gloo"] if use_gloo else None
+    else:
+        mp, dp, dp_gloo = groups["mp_group"], intra, groups["intra_dp_cp_group_gloo"]
     with _distributed_optimizer_class(cls):
         return mcore_optimizer._get_megatron_optimizer_based_on_param_groups(
             config=config, model_chunks=model_chunks, param_groups=param_groups,
-            per_model_buffers=buffers, model_parallel_group=groups["mp_group"],
-            data_parallel_group=intra, data_parallel_group_gloo=groups["intra_dp_cp_group_gloo"],
-            data_parallel_group_idx=groups["mp_group"].rank(),
+            per_model_buffers=buffers, model_parallel_group=mp, data_parallel_group=dp,
+            data_parallel_group_gloo=dp_gloo, data_parallel_group_idx=mp.rank(),
             intra_dist_opt_group=groups["intra_dist_opt_group"],
             distributed_optimizer_instance_id=0, pg_collection=pg_collection)
 

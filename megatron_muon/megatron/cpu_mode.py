@@ -130,6 +130,16 @@ class _NullEvent:
         return 0.0
 
 
+def _patch_megatron_without_te() -> None:
+    """MoE router gating references ``te_general_gemm``, undefined when TE is absent."""
+    try:
+        from megatron.core.transformer.moe import moe_utils
+    except ImportError:
+        return
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def enable_cpu_mode() -> bool:
     """Patch torch.cuda entry points for CPU-only Megatron-Core; no-op when CUDA exists."""
     global _ACTIVE
@@ -160,6 +170,7 @@ def enable_cpu_mode() -> bool:
         cuda.nvtx.range_push = lambda *a, **k: None
         cuda.nvtx.range_pop = lambda *a, **k: None
         _CudaToCpu().__enter__()  # stays on the mode stack for the life of the process
+        _patch_megatron_without_te()
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         _ACTIVE = True
     return True

@@ -251,7 +251,8 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
 
     def __init__(self, optimizer, config, grad_scaler, init_state_fn, model_chunks,
                  per_model_buffers, data_parallel_group, *args, muon_config=None,
-                 replicate: bool = False, **kwargs):
+                 replicate: bool = False, expert: bool = False, **kwargs):
+        self.expert = expert
         self._init_subset(optimizer)
         super().__init__(optimizer, config, grad_scaler, init_state_fn, model_chunks,
                          per_model_buffers, data_parallel_group, *args, **kwargs)
@@ -268,9 +269,15 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
     # -- geometry ---------------------------------------------------------------------
     def _build_engine(self, offsets: dict) -> OwnerCentricNS:
         cfg = self.muon_config
-        group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=False)
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        if self.expert:  # experts: planned over their expert-data-parallel group
+            if parallel_state.get_expert_tensor_parallel_world_size() != 1:
+                raise ValueError("optimizer='dmuon' supports MoE experts with expert tensor "
+                                 "parallel size 1 only (set expert_tensor_parallel_size=1)")
+            group, tp_size, tp_rank = parallel_state.get_expert_data_parallel_group(), 1, 0
+        else:
+            group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=False)
+            tp_size = parallel_state.get_tensor_model_parallel_world_size()
+            tp_rank = parallel_state.get_tensor_model_parallel_rank()
         model_config = self.model_chunks[0].config
 
         # Every Muon matrix of this stage, in an order all ranks agree on.
@@ -444,24 +451,31 @@ def build_dmuon_optimizer(config, model_chunks, config_overrides=None,
     adam_config = copy.copy(config)
     adam_config.optimizer = "adam"
     param_groups = compat.get_param_groups(model_chunks, adam_config, config_overrides)
-    for g in param_groups:
-        if g.get("is_expert_parallel") and any(p in muon_set for p in g["params"]):
-            raise ValueError("optimizer='dmuon' does not support MoE expert matrices yet "
-                             "(expert-parallel planning is not implemented); use 'adam'")
-    dense = [g for g in param_groups if not g.get("is_expert_parallel")]
-    if len(dense) != len(param_groups):
-        raise ValueError("optimizer='dmuon' does not support expert-parallel parameters yet")
-    muon_groups, adam_groups = _split_groups(dense, lambda p: p in muon_set)
     replicate = config.optimizer == "muon_naive"
 
-    def dmuon_cls(*args, **kwargs):
-        return DMuonDistributedOptimizer(*args, muon_config=config, replicate=replicate, **kwargs)
+    def dmuon_cls(expert):
+        def build(*args, **kwargs):
+            return DMuonDistributedOptimizer(*args, muon_config=config, replicate=replicate,
+                                             expert=expert, **kwargs)
+        return build
 
-    optimizers = []
-    for groups, cls in ((muon_groups, dmuon_cls), (adam_groups, SubsetDistributedOptimizer)):
-        opt = compat.build_distributed_optimizer(adam_config, model_chunks, groups, cls,
-                                                 use_gloo_process_groups, pg_collection)
-        opt.config = config  # ChainedOptimizer wants one shared config
-        optimizers.append(opt)
-    optimizers[0].publish_params = False  # the AdamW optimizer after it gathers params
-    return ChainedOptimizer(optimizers)
+    # Dense and expert parameters live in separate DDP buffers with their own DP groups;
+    # each gets a DMuon (Muon matrices) and an AdamW (the rest) over its buffers.  DMuons
+    # come first: the last AdamW's param all-gather publishes every buffer.
+    muon_opts, adam_opts = [], []
+    for expert in (False, True):
+        groups = [g for g in param_groups if bool(g.get("is_expert_parallel")) == expert]
+        if not any(g["params"] for g in groups):
+            continue
+        muon_groups, adam_groups = _split_groups(groups, lambda p: p in muon_set)
+        for gs, cls, dst in ((muon_groups, dmuon_cls(expert), muon_opts),
+                             (adam_groups, SubsetDistributedOptimizer, adam_opts)):
+            if not expert or any(g["params"] for g in gs):
+                opt = compat.build_distributed_optimizer(adam_config, model_chunks, gs, cls,
+                                                         use_gloo_process_groups, pg_collection,
+                                                         expert=expert)
+                opt.config = config  # ChainedOptimizer wants one shared config
+                dst.append(opt)
+    for opt in muon_opts:
+        opt.publish_params = False
+    return ChainedOptimizer(muon_opts + adam_opts)

@@ -93,7 +93,8 @@ def transformer_config(cfg: TinyGPTConfig):
     if vpp:
         kwargs["virtual_pipeline_model_parallel_size"] = vpp
     if cfg.num_moe_experts:
-        kwargs.update(moe_router_topk=1, moe_token_dispatcher_type="alltoall",
+        kwargs.update(moe_router_topk=1, moe_router_pre_softmax=True,
+                      moe_token_dispatcher_type="alltoall",
                       moe_aux_loss_coeff=0.0,
                       expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size())
     kwargs.update(cfg.extra)
@@ -272,6 +273,7 @@ def layout_ranks() -> dict:
 
 
 _LAYER_RE = re.compile(r"(^|\.)layers\.(\d+)\.")
+_EXPERT_RE = re.compile(r"local_experts\.(\d+)\.")
 
 
 def _unwrap(model):
@@ -282,7 +284,14 @@ def _unwrap(model):
 
 def global_param_name(model_chunk, name: str) -> str:
     """Parameter name with the pipeline-local layer index replaced by the global one."""
+    from megatron.core import parallel_state as ps
+
     gpt = _unwrap(model_chunk)
+    ex = _EXPERT_RE.search(name)
+    if ex and gpt.config.num_moe_experts:  # local expert index -> global expert index
+        local_n = gpt.config.num_moe_experts // ps.get_expert_model_parallel_world_size()
+        g = ps.get_expert_model_parallel_rank() * local_n + int(ex.group(1))
+        name = name[: ex.start(1)] + str(g) + name[ex.end(1):]
     match = _LAYER_RE.search(name)
     if not match:
         return name

@@ -34,7 +34,7 @@ def make_optimizer_config(optimizer: str, **overrides):
     return DMuonOptimizerConfig(optimizer=optimizer, **base)
 
 
-def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = None,
+def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1,
                    optimizer: str = "adam", opt: Optional[dict] = None, steps: int = 3,
                    ddp: Optional[dict] = None, return_params: bool = True,
                    checkpoint: Optional[dict] = None, inf_at_step: Optional[int] = None,
@@ -50,7 +50,7 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
     from megatron_muon.megatron.factory import get_megatron_optimizer
 
     gcfg = TinyGPTConfig(**cfg)
-    init_parallel(tp=tp, pp=pp, vpp=vpp, seed=gcfg.seed)
+    init_parallel(tp=tp, pp=pp, vpp=vpp, ep=ep, seed=gcfg.seed)
     ddp_kwargs = dict(use_distributed_optimizer=True, overlap_grad_reduce=False,
                       grad_reduce_in_fp32=True)
     ddp_kwargs.update(ddp or {})

@@ -1,0 +1,237 @@
+"""Per-rank entry points for the LoRA tests (launched with ``run_ranks``)."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .gpt import TinyGPTConfig, build_gpt, full_named_params, global_batch, init_parallel, \
+    layout_ranks, train_step, wire_ddp_hooks
+
+__all__ = ["lora_train", "lora_tp1_checks"]
+
+LORA = dict(rank=4, alpha=8.0, targets=["qkv", "proj", "fc1", "fc2"], seed=3)
+OPT = dict(lr=0.01, momentum=0.9, extra_scale_factor=0.2, weight_decay=0.01)
+
+
+def _wrap_ddp(chunks: list, cfg) -> list:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=False,
+                                               overlap_grad_reduce=False, bucket_size=None,
+                                               grad_reduce_in_fp32=True)
+    tcfg = chunks[0].config
+    model = [DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=m)
+             for m in chunks]
+    wire_ddp_hooks(tcfg, model, ddp_config)
+    return model
+
+
+@torch.no_grad()
+def token_losses(model: list, cfg: TinyGPTConfig, index: int = 999) -> torch.Tensor:
+    """Per-token losses of a fixed batch (full over TP): the model's outputs, compared."""
+    batch = global_batch(cfg, 10_000, index)
+    for m in model:
+        m.eval()
+    out = model[0](batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    for m in model:
+        m.train()
+    return out.detach().float().cpu().clone()
+
+
+def _base_params(model: list) -> dict:
+    return {k: v for k, v in full_named_params(model).items() if ".lora." not in k}
+
+
+@contextmanager
+def _sp_torch_norm():
+    """Let Megatron's torch LayerNorm wrapper take sequence_parallel=True (test only).
+
+    Megatron asserts that sequence parallelism needs apex/TE norms, because a torch norm's
+    weight gradient is then a partial sum that nothing marks for the TP all-reduce.  The
+    norm itself is exact on a sequence shard; we mark its parameters ``sequence_parallel``
+    (so ``finalize_model_grads`` would all-reduce them) -- and LoRA freezes them anyway.
+    """
+    import copy
+
+    from megatron.core.transformer import torch_norm
+
+    original = torch_norm.WrappedTorchNorm.__new__
+
+    def patched(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, *args, **kwargs)
+        cfg = copy.copy(config)
+        cfg.sequence_parallel = False
+        norm = original(cls, cfg, *args, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = patched
+    try:
+        yield
+    finally:
+        torch_norm.WrappedTorchNorm.__new__ = original
+
+
+def _build(cfg: TinyGPTConfig, lora: dict):
+    from megatron_muon.megatron.lora import LoRAConfig, apply_lora
+
+    with _sp_torch_norm():
+        chunks = build_gpt(cfg, wrap_ddp=False)
+    apply_lora(chunks, LoRAConfig(**lora))
+    return _wrap_ddp(chunks, cfg)
+
+
+def _train(model, cfg, optimizer: str, steps: int, opt: dict, **okw):
+    from megatron_muon.megatron.lora_optimizer import LoRAOptimizer
+
+    optim = LoRAOptimizer(model, optimizer, **{**OPT, **opt}, **okw)
+    lay = layout_ranks()
+    losses = []
+    grads = {}
+    for step in range(steps):
+        out = train_step(model, optim, cfg, step, lay["dp"], lay["dp_size"])
+        losses.append(out.get("loss"))
+        if step == steps - 1:  # full, canonical gradients of the last step (A and B nonzero)
+            grads = {ad.global_name: (A.grad.cpu().clone(), B.grad.cpu().clone())
+                     for ad, (A, B) in zip(optim.adapters, optim.masters)}
+    return optim, losses, grads
+
+
+def lora_train(cfg: dict, tp: int = 1, steps: int = 4, runs: Optional[dict] = None,
+               save: Optional[str] = None, lora: Optional[dict] = None) -> dict:
+    """Train LoRA adapters on the tiny GPT for each entry of ``runs`` (name: dict(optimizer,
+    opt, okw, cfg_extra)); return losses, full adapters, outputs and base-weight checks."""
+    from megatron_muon.megatron.lora import full_lora_factors, save_lora
+
+    lora = {**LORA, **(lora or {})}
+    init_parallel(tp=tp, seed=TinyGPTConfig().seed)
+    runs = runs or {"smuon": {}}
+    result = {"layout": layout_ranks(), "runs": {}}
+    for name, spec in runs.items():
+        gcfg = TinyGPTConfig(**{**cfg, "extra": {**cfg.get("extra", {}),
+                                                   **spec.get("cfg_extra", {})}})
+        model = _build(gcfg, lora)
+        before = _base_params(model)
+        optim, losses, grads = _train(model, gcfg, spec.get("optimizer", "smuon"), steps,
+                               spec.get("opt", {}), **spec.get("okw", {}))
+        after = _base_params(model)
+        result["runs"][name] = dict(
+            losses=losses, grads=grads, factors=full_lora_factors(model), outputs=token_losses(model, gcfg),
+            base_unchanged=all(torch.equal(before[k], after[k]) for k in before),
+            n_base=len(before), timing=optim.last_timing,
+            attrs=_attributes(model))
+        if save and name == next(iter(runs)):
+            save_lora(os.path.join(save, "adapter.pt"), model, metadata={"tp": tp})
+            result["saved_outputs"] = result["runs"][name]["outputs"]
+    return result
+
+
+def _attributes(model) -> dict:
+    from megatron_muon.megatron.lora import lora_adapters
+
+    out = {}
+    for ad in lora_adapters(model):
+        out[ad.global_name] = {
+            f: dict(tp=bool(getattr(p, "tensor_model_parallel", False)),
+                    dim=int(getattr(p, "partition_dim", -1)),
+                    sp=bool(getattr(p, "sequence_parallel", False)),
+                    allreduce=bool(getattr(p, "allreduce", True)), shape=tuple(p.shape),
+                    requires_grad=p.requires_grad)
+            for f, p in (("A", ad.A), ("B", ad.B))}
+    return out
+
+
+def _error(fn) -> Optional[str]:
+    try:
+        fn()
+    except (ValueError, NotImplementedError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def lora_tp1_checks(cfg: dict, tp2_checkpoint: str, steps: int = 4,
+                    runs: Optional[dict] = None) -> dict:
+    """TP1: B = 0 equals base, merge/unmerge, reference training, TP2 checkpoint -> TP1, errors,
+    MoE experts."""
+    from megatron_muon.megatron.lora import (LoRAConfig, apply_lora, lora_adapters,
+                                             lora_disabled, load_lora, merge_lora,
+                                             read_lora_config, unmerge_lora)
+
+    out = lora_train(cfg, tp=1, steps=steps, runs=runs)
+    gcfg = TinyGPTConfig(**cfg)
+
+    # --- B = 0: the adapted model is the base model; merge/unmerge round trip
+    chunks = build_gpt(gcfg, wrap_ddp=False)
+    base_out = token_losses(chunks, gcfg)
+    base_w = _base_params(chunks)
+    adapters = apply_lora(chunks, LoRAConfig(**LORA))
+    out["b0_max_diff"] = float((token_losses(chunks, gcfg) - base_out).abs().max())
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for ad in adapters:
+            ad.B.copy_(torch.randn(ad.B.shape, generator=g) * 0.05)
+    lora_out = token_losses(chunks, gcfg)
+    with lora_disabled(chunks):
+        out["disabled_max_diff"] = float((token_losses(chunks, gcfg) - base_out).abs().max())
+    out["lora_vs_base_diff"] = float((lora_out - base_out).abs().max())
+    out["merged_count"] = merge_lora(chunks)
+    out["merge_again"] = merge_lora(chunks)
+    merged_w = _base_params(chunks)
+    out["merged_weight_change"] = max(float((merged_w[k] - base_w[k]).abs().max())
+                                      for k in base_w)
+    out["merged_max_diff"] = float((token_losses(chunks, gcfg) - lora_out).abs().max())
+    out["load_while_merged"] = _error(lambda: adapters[0].load_full(
+        *adapters[0].gather_full()))
+    out["unmerged_count"] = unmerge_lora(chunks)
+    w = _base_params(chunks)
+    out["unmerge_weight_diff"] = max(float((w[k] - base_w[k]).abs().max()) for k in base_w)
+    out["unmerged_max_diff"] = float((token_losses(chunks, gcfg) - lora_out).abs().max())
+
+    # --- the TP2 adapter checkpoint on a TP1 model
+    chunks = build_gpt(gcfg, wrap_ddp=False)
+    apply_lora(chunks, read_lora_config(os.path.join(tp2_checkpoint, "adapter.pt")))
+    out["ckpt_loaded"] = load_lora(os.path.join(tp2_checkpoint, "adapter.pt"), chunks)
+    out["ckpt_outputs"] = token_losses(chunks, gcfg)
+
+    # --- bad input
+    def fresh():
+        return build_gpt(gcfg, wrap_ddp=False)
+
+    errors = {
+        "unknown_target": lambda: apply_lora(fresh(), targets=["qkv", "attention_out"]),
+        "not_linear": lambda: apply_lora(fresh(), targets=["input_layernorm"]),
+        "not_linear_core": lambda: apply_lora(fresh(), targets=["core_attention"]),
+        "rank0": lambda: apply_lora(fresh(), rank=0),
+        "rank_too_big": lambda: apply_lora(fresh(), rank=gcfg.hidden_size + 1),
+        "alpha": lambda: apply_lora(fresh(), alpha=float("nan")),
+        "experts_dense": lambda: apply_lora(fresh(), targets=["experts"]),
+        "twice": lambda: apply_lora(chunks, targets=["qkv"]),
+        "after_ddp": lambda: apply_lora(_wrap_ddp(fresh(), gcfg)),
+        "bad_optimizer": lambda: __import__(
+            "megatron_muon.megatron.lora_optimizer", fromlist=["x"]).LoRAOptimizer(
+                chunks, "sgd", lr=0.1),
+        "load_missing": lambda: load_lora(os.path.join(tp2_checkpoint, "nope.pt"), chunks),
+    }
+    out["errors"] = {}
+    for k, fn in errors.items():
+        try:
+            msg = _error(fn)
+        except FileNotFoundError as err:
+            msg = f"FileNotFoundError: {err}"
+        out["errors"][k] = msg
+
+    # --- MoE: LoRA on every local expert's fc1 / fc2 (SequentialMLP)
+    mcfg = TinyGPTConfig(**{**cfg, "num_layers": 2, "num_moe_experts": 2})
+    chunks = build_gpt(mcfg, wrap_ddp=False)
+    base_moe = token_losses(chunks, mcfg)
+    ads = apply_lora(chunks, targets=["experts"], rank=2, alpha=2.0)
+    out["moe_names"] = [a.global_name for a in ads]
+    out["moe_b0_diff"] = float((token_losses(chunks, mcfg) - base_moe).abs().max())
+    return out
