@@ -99,7 +99,6 @@ def test_traffic_and_state_per_rank(layout):
             assert c["bytes_sent"] <= bound and c["bytes_received"] <= bound, (c, bound)
             assert c["calls"] <= 2 * STEPS  # one gather + one scatter all-to-all per bucket
         state = [r["dmuon_stats"]["state_bytes"] for r in ranks]
-        tp = ranks[0]["layout"]["tp_size"]
         assert sum(state) == muon_bytes  # every element's momentum lives exactly once
         assert max(state) <= 1.5 * muon_bytes / n
 

@@ -72,7 +72,6 @@ def _fp32_layer_wise_workaround(optim, config):
 
 def worker(cfg: dict, tp: int, optimizers: list, steps: int, warmup: int, prec: str,
            ns_steps: int) -> dict:
-    import torch
     import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallelConfig
 

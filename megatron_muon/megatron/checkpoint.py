@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 __all__ = ["save_checkpoint", "load_checkpoint", "SHARDING_TYPE"]

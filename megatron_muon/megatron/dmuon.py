@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from contextlib import contextmanager
-from typing import Optional
 
 import torch
 import torch.distributed as dist

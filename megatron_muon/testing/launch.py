@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-import json
 import os
 import signal
 import socket

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from .gpt import TinyGPTConfig, build_gpt, full_named_params, init_parallel, layout_ranks, train_step
@@ -32,6 +30,14 @@ def make_optimizer_config(optimizer: str, **overrides):
                 adam_eps=1e-8, clip_grad=0.0, use_distributed_optimizer=True, bf16=False)
     base.update(overrides)
     return DMuonOptimizerConfig(optimizer=optimizer, **base)
+
+
+def _poison_grads(model):
+    def hook():
+        for chunk in model:
+            for buf in chunk.buffers:
+                buf.grad_data.fill_(float("inf"))
+    return hook
 
 
 def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1,
@@ -68,13 +74,8 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
     history, updated = [], []
     for step in range(start, steps):
         sched.step(1)
-        hook = None
-        if step == inf_at_step:
-            def hook():
-                for chunk in model:
-                    for buf in chunk.buffers:
-                        buf.grad_data.fill_(float("inf"))
-        out = train_step(model, optim, gcfg, step, lr["dp"], lr["dp_size"], grad_hook=hook)
+        out = train_step(model, optim, gcfg, step, lr["dp"], lr["dp_size"],
+                         grad_hook=_poison_grads(model) if step == inf_at_step else None)
         losses.append(out.get("loss"))
         norms.append(out.get("grad_norm"))
         updated.append(out.get("update_successful"))
