@@ -556,13 +556,7 @@ class OuterOptimizer:
         return [k for k, use in zip(self._names, self._iso) if use]
 
     # -- the step ------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, mean_delta: Params):
-        """One outer step with ``mean D`` (same container kind, names and shapes).
-
-        Returns ``self.params``. Raises ValueError on mismatched structure or inf/nan in D
-        (before any state is modified).
-        """
+    def _checked_deltas(self, mean_delta: Params) -> list[torch.Tensor]:
         deltas = _match(list(zip(self._names, self._params)), self._is_map, mean_delta,
                         "mean_delta")
         for name, d in zip(self._names, deltas):
@@ -570,17 +564,71 @@ class OuterOptimizer:
                 raise ValueError(f"mean_delta[{name!r}] is {d.dtype}, not floating point")
             if not bool(torch.isfinite(d).all()):
                 raise ValueError(f"mean_delta[{name!r}] has inf/nan entries")
-        mu, lr = float(self.momentum), float(self.lr)
+        return deltas
+
+    def _momentum_update(self, buf: torch.Tensor, g: torch.Tensor, cd: torch.dtype):
+        """(new momentum m, update u before any momentum-first Iso-C) for input g."""
+        mu = float(self.momentum)
+        m = buf.to(cd) * mu + g
+        u = g + mu * m if self.nesterov else m
+        return m, u
+
+    @torch.no_grad()
+    def iso_inputs(self, mean_delta: Params) -> dict:
+        """The matrices whose Iso-C the next ``step(mean_delta)`` computes, by name.
+
+        ``order="iso_first"``: mean D of each Iso-C parameter; ``"momentum_first"``:
+        ``u = D + mu (mu m + D)`` (or ``mu m + D`` without Nesterov). Changes no state.
+        A distributed caller computes ``iso_c`` of these once (on an owner rank) and passes
+        the results to ``step(mean_delta, iso_results=...)``.
+        """
+        deltas = self._checked_deltas(mean_delta)
+        out = {}
+        for name, p, buf, d, use_iso in zip(self._names, self._params, self._momentum, deltas,
+                                            self._iso):
+            if not use_iso:
+                continue
+            cd = torch.promote_types(torch.promote_types(p.dtype, d.dtype), torch.float32)
+            d = d.to(device=p.device, dtype=cd)
+            out[name] = d if self.order == "iso_first" else self._momentum_update(buf, d, cd)[1]
+        return out
+
+    @torch.no_grad()
+    def step(self, mean_delta: Params, iso_results: Optional[Mapping[str, torch.Tensor]] = None):
+        """One outer step with ``mean D`` (same container kind, names and shapes).
+
+        ``iso_results``: optional ``{name: iso_c(iso_inputs(mean_delta)[name])}`` computed
+        elsewhere (the distributed outer step computes each one once, on an owner rank);
+        by default ``iso_c`` is computed here. Returns ``self.params``. Raises ValueError on
+        mismatched structure or inf/nan in D (before any state is modified).
+        """
+        deltas = self._checked_deltas(mean_delta)
+        if iso_results is not None:
+            iso_results = dict(iso_results)
+            names = set(self.iso_names)
+            if set(iso_results) != names:
+                raise ValueError(f"iso_results keys differ from the Iso-C parameters: missing "
+                                 f"{sorted(names - set(iso_results))}, unexpected "
+                                 f"{sorted(set(iso_results) - names)}")
+            for name, p in zip(self._names, self._params):
+                if name in names and tuple(iso_results[name].shape) != tuple(p.shape):
+                    raise ValueError(f"iso_results[{name!r}] has shape "
+                                     f"{tuple(iso_results[name].shape)}, expected {tuple(p.shape)}")
+
+        def iso(name, x):
+            return self._iso_c(x) if iso_results is None else iso_results[name].to(x)
+
+        lr = float(self.lr)
         new_params, new_moms = [], []
-        for p, buf, d, use_iso in zip(self._params, self._momentum, deltas, self._iso):
+        for name, p, buf, d, use_iso in zip(self._names, self._params, self._momentum, deltas,
+                                            self._iso):
             cd = torch.promote_types(torch.promote_types(p.dtype, d.dtype), torch.float32)
             d = d.to(device=p.device, dtype=cd)
             pre_momentum = use_iso and self.order == "iso_first"
-            g = self._iso_c(d) if pre_momentum else d
-            m = buf.to(cd) * mu + g
-            u = g + mu * m if self.nesterov else m
+            g = iso(name, d) if pre_momentum else d
+            m, u = self._momentum_update(buf, g, cd)
             if use_iso and self.order == "momentum_first":
-                u = self._iso_c(u)
+                u = iso(name, u)
             new_params.append((p.to(cd) - lr * u).to(p.dtype))
             new_moms.append(m.to(buf.dtype))
         for p, buf, np_, nm in zip(self._params, self._momentum, new_params, new_moms):

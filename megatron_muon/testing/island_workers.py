@@ -1,0 +1,173 @@
+"""Per-rank entry points for the islands tests (``tests/test_islands.py``), run by ``run_ranks``.
+
+``islands_suite`` runs several island layouts one after the other in the same processes (a
+launch costs more than a layout on a small CPU machine); ``islands_fault`` runs the fault
+mode with one island made to stall.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .gpt import TinyGPTConfig, build_gpt, full_named_params, init_parallel, train_step
+from .workers import constant_scheduler, make_optimizer_config
+
+__all__ = ["islands_suite", "islands_fault"]
+
+TINY = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+            num_query_groups=2, vocab_size=64, seq_length=8, micro_batch_size=2,
+            num_microbatches=1)
+INNER = dict(lr=3e-3, weight_decay=0.0)
+
+
+def _build(gcfg, opt_kind: str = "adam"):
+    from megatron_muon.megatron.factory import get_megatron_optimizer
+
+    model = build_gpt(gcfg)
+    ocfg = make_optimizer_config(opt_kind, bf16=False, **INNER)
+    optim = get_megatron_optimizer(ocfg, model)
+    return model, optim, constant_scheduler(optim, ocfg)
+
+
+def _coords() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return dict(tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
+                dp=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size())
+
+
+def _inner_steps(model, optim, sched, gcfg, island: int, first: int, H: int) -> list:
+    c = _coords()
+    losses = []
+    for s in range(first, first + H):
+        sched.step(1)
+        out = train_step(model, optim, gcfg, 1000 * island + s, c["dp"], c["dp_size"])
+        losses.append(out.get("loss"))
+    return losses
+
+
+def _island_run(gcfg, K: int, tp: int, pp: int, outer_kw: dict, rounds: int, H: int,
+                checkpoint: Optional[str] = None) -> dict:
+    """Train ``rounds`` x (H inner steps + outer step); record what the reference needs."""
+    from megatron_muon.megatron.islands import (IslandOuterStep, destroy_islands,
+                                                initialize_islands, load_island_checkpoint,
+                                                save_island_checkpoint)
+
+    layout = initialize_islands(K, tp=tp, pp=pp, seed=gcfg.seed)
+    model, optim, sched = _build(gcfg)
+    outer = IslandOuterStep(model, layout, inner_optimizer=optim, **outer_kw)
+    rec = dict(island=layout.island, local=layout.local_rank, **_coords(),
+               theta0=full_named_params(model), rounds=[], losses=[])
+    for _ in range(rounds):
+        rec["losses"] += _inner_steps(model, optim, sched, gcfg, layout.island,
+                                      outer.round * H, H)
+        before = full_named_params(model)
+        if checkpoint and outer.round == rounds - 1:
+            save_island_checkpoint(checkpoint, model, optim, outer)
+        report = outer.step()
+        rec["rounds"].append(dict(report=report, before=before,
+                                  after=full_named_params(model)))
+    rec["stats"] = outer.comm_stats.as_dict()
+    rec["iso_computed"] = outer.iso_computed
+    if checkpoint:
+        # a fresh model, optimizer and outer step resume from the file and redo the last round
+        model2, optim2, sched2 = _build(gcfg)
+        outer2 = IslandOuterStep(model2, layout, inner_optimizer=optim2, **outer_kw)
+        load_island_checkpoint(checkpoint, model2, optim2, outer2)
+        rec["resumed_before"] = full_named_params(model2)
+        outer2.step()
+        rec["resumed_after"] = full_named_params(model2)
+        rec["resumed_losses"] = _inner_steps(model2, optim2, sched2, gcfg, layout.island,
+                                             outer2.round * H, H)
+        rec["continued_losses"] = _inner_steps(model, optim, sched, gcfg, layout.island,
+                                               outer.round * H, H)
+    destroy_islands()
+    return rec
+
+
+def _plain_run(gcfg, tp: int, steps: int) -> dict:
+    """The same training without islands: Megatron's own initialisation, no outer step."""
+    init_parallel(tp=tp, seed=gcfg.seed)
+    model, optim, sched = _build(gcfg)
+    losses = _inner_steps(model, optim, sched, gcfg, 0, 0, steps)
+    return dict(losses=losses, params=full_named_params(model))
+
+
+def islands_suite(workdir: str, parts: Optional[list] = None) -> dict:
+    """Runs on 4 ranks. Parts: k1 (K=1, TP2 x DP2 vs plain), k4 (4 x 1: diloco, isoloco svd with
+    checkpoint resume, isoloco ns momentum_first), tp2 (2 x TP2), pp2 (2 x PP2), dp2 (2 x DP2)."""
+    from megatron.core import parallel_state as ps
+
+    gcfg = TinyGPTConfig(**TINY)
+    parts = parts or ["k1", "k4", "tp2", "pp2", "dp2"]
+    out = {}
+    timings = {}
+    for part in parts:
+        t0 = time.perf_counter()
+        if part == "k1":
+            out["k1"] = _island_run(gcfg, 1, 2, 1, dict(method="diloco", lr=1.0, momentum=0.0,
+                                                        delta_dtype=torch.float64), 2, 2)
+            out["k1_plain"] = _plain_run(gcfg, 2, 4)
+            ps.destroy_model_parallel()
+        elif part == "k4":
+            out["k4_diloco"] = _island_run(gcfg, 4, 1, 1, dict(method="diloco"), 2, 2)
+            out["k4_isoloco_svd"] = _island_run(
+                gcfg, 4, 1, 1, dict(method="isoloco", iso_mode="svd", delta_dtype=torch.float64),
+                2, 2,
+                checkpoint=os.path.join(workdir, "ckpt_k4"))
+            out["k4_isoloco_ns_mf"] = _island_run(
+                gcfg, 4, 1, 1, dict(method="isoloco", iso_mode="ns", order="momentum_first",
+                                    delta_dtype=torch.float64), 2, 2)
+        elif part == "tp2":
+            out["tp2"] = _island_run(gcfg, 2, 2, 1, dict(method="isoloco", iso_mode="svd"), 2, 2)
+        elif part == "pp2":
+            out["pp2"] = _island_run(gcfg, 2, 1, 2, dict(method="isoloco", iso_mode="ns"), 2, 2)
+        elif part == "dp2":
+            out["dp2"] = _island_run(gcfg, 2, 1, 1, dict(method="isoloco", iso_mode="svd",
+                                                         order="momentum_first"), 2, 2)
+        else:
+            raise ValueError(part)
+        timings[part] = time.perf_counter() - t0
+    out["timings"] = timings
+    out["rank"] = dist.get_rank()
+    return out
+
+
+def islands_fault(rounds: int = 6, H: int = 1, stall_island: int = 3, stall_round: int = 1,
+                  stall_s: float = 2.5, island_timeout: float = 1.0) -> dict:
+    """K = world islands of 1 rank, fault mode; island ``stall_island`` sleeps ``stall_s``
+    before its outer step of round ``stall_round``."""
+    from megatron_muon.megatron.islands import (IslandOuterStep, destroy_islands,
+                                                initialize_islands)
+
+    gcfg = TinyGPTConfig(**TINY)
+    K = dist.get_world_size()
+    layout = initialize_islands(K, seed=gcfg.seed)
+    model, optim, sched = _build(gcfg)
+    messages = []
+    outer = IslandOuterStep(model, layout, method="isoloco", iso_mode="svd",
+                            inner_optimizer=optim, delta_dtype=torch.float64,
+                            fault_tolerant=True, island_timeout=island_timeout,
+                            rejoin_timeout=60.0, max_rounds=rounds, log=messages.append)
+    rec = dict(island=layout.island, theta0=full_named_params(model), rounds=[], stalled=False)
+    t_start = time.perf_counter()
+    while outer.round < rounds:
+        _inner_steps(model, optim, sched, gcfg, layout.island, outer.round * H, H)
+        if layout.island == stall_island and outer.round == stall_round and not rec["stalled"]:
+            rec["stalled"] = True
+            time.sleep(stall_s)
+        before = full_named_params(model)
+        report = outer.step()
+        if report["finished"]:
+            break
+        rec["rounds"].append(dict(report=report, before=before, after=full_named_params(model)))
+    rec["final"] = full_named_params(model)
+    rec["messages"] = messages
+    rec["seconds"] = time.perf_counter() - t_start
+    destroy_islands()
+    return rec
