@@ -17,6 +17,9 @@ _LAZY = {
     "smuon_direction": "megatron_muon.smuon",
     "SMuon": "megatron_muon.smuon",
     "iso_c": "megatron_muon.isoloco",
+    "apply_lora": "megatron_muon.megatron.lora",
+    "LoRAConfig": "megatron_muon.megatron.lora",
+    "LoRAOptimizer": "megatron_muon.megatron.lora_optimizer",
 }
 
 

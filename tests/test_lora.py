@@ -1,14 +1,18 @@
 """LoRA for Megatron's parallel linear layers (SPEC §4): TP layouts, merge, checkpoints, errors.
 
-Two launches: a TP2 run (gloo, 2 ranks) that trains adapters with sMuon (distributed and
+Three launches: a TP2 x DP2 run (gloo, 4 ranks) that trains adapters with sMuon (distributed and
 replicated direction work, with and without sequence parallelism), AdamW and per-factor Muon
-and saves an adapter checkpoint; then one TP1 process that trains the same adapters on the
-same data, checks B = 0 / merge / unmerge, loads the TP2 checkpoint, and collects error
-messages.  The tiny GPT uses SwiGLU, so the gated fc1 layout ([gate_t; up_t] shards) is
+and saves an adapter checkpoint and a full-model dist_checkpointing checkpoint; a PP2 run
+(2 ranks) that trains with sMuon and saves an adapter checkpoint; then one TP1 process that
+trains the same adapters on the same data, checks B = 0 / merge / unmerge, loads the TP2
+and PP2 checkpoints, and collects error messages.  The tiny GPT uses SwiGLU, so the gated fc1 layout ([gate_t; up_t] shards) is
 exercised.
 """
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +22,7 @@ from megatron_muon.testing.launch import run_ranks
 
 pytestmark = [pytest.mark.distributed]
 
-CFG = dict(swiglu=True)
+CFG = dict(swiglu=True, num_microbatches=4)  # per DP rank; the TP2 x DP2 run takes 2
 STEPS = 4
 RUNS_TP1 = {
     "smuon": {},
@@ -28,6 +32,7 @@ RUNS_TP1 = {
 RUNS_TP2 = {
     **RUNS_TP1,
     "smuon_replicate": {"okw": {"smuon_work": "replicate"}},
+    "smuon_tp_dp": {"okw": {"work_group": "tp_dp"}},  # owners spread over TP x DP
     "smuon_sp": {"cfg_extra": {"sequence_parallel": True}},
 }
 N_ADAPTERS = 16  # 4 layers x (qkv, proj, fc1, fc2)
@@ -40,16 +45,24 @@ def ckpt_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp2(ckpt_dir):
-    return run_ranks("megatron_muon.testing.lora_workers:lora_train", 2,
-                     dict(cfg=CFG, tp=2, steps=STEPS, runs=RUNS_TP2, save=ckpt_dir),
-                     timeout=240)
+    return run_ranks("megatron_muon.testing.lora_workers:lora_train", 4,
+                     dict(cfg={**CFG, "num_microbatches": 2}, tp=2, steps=STEPS, runs=RUNS_TP2,
+                          save=ckpt_dir), timeout=240)
 
 
 @pytest.fixture(scope="module")
-def tp1(tp2, ckpt_dir):
+def pp2(tmp_path_factory):
+    save = str(tmp_path_factory.mktemp("lora_pp2"))
+    return save, run_ranks("megatron_muon.testing.lora_workers:lora_train", 2,
+                           dict(cfg=CFG, tp=1, pp=2, steps=STEPS, runs={"smuon": {}}, save=save),
+                           timeout=240)
+
+
+@pytest.fixture(scope="module")
+def tp1(tp2, pp2, ckpt_dir):
     return run_ranks("megatron_muon.testing.lora_workers:lora_tp1_checks", 1,
-                     dict(cfg=CFG, tp2_checkpoint=ckpt_dir, steps=STEPS, runs=RUNS_TP1),
-                     timeout=240)[0]
+                     dict(cfg=CFG, tp2_checkpoint=ckpt_dir, steps=STEPS, runs=RUNS_TP1,
+                          pp2_checkpoint=pp2[0]), timeout=240)[0]
 
 
 def _max_rel(a: dict, b: dict) -> float:
@@ -97,7 +110,7 @@ def test_merge_unmerge_round_trip(tp1):
 def test_tp2_matches_tp1(tp1, tp2, run):
     """Same data, same init: the TP2 adapters (gathered) equal the TP1 ones after 4 steps."""
     ref = tp1["runs"]["smuon" if run == "smuon_sp" else run]
-    for rank_result in tp2:  # both TP ranks hold the same full adapters
+    for rank_result in tp2:  # every TP and DP rank holds the same full adapters
         got = rank_result["runs"][run]
         assert len(got["factors"]) == N_ADAPTERS
         # gradients first: the normalised optimizers would hide a wrong gradient scale
@@ -106,19 +119,26 @@ def test_tp2_matches_tp1(tp1, tp2, run):
         # fp32 summation-order noise (observed 9e-5 for adam, 3e-6 for the Muon ones)
         assert _max_rel(got["factors"], ref["factors"]) < (1e-3 if run == "adam" else 1e-4)
         assert float((got["outputs"] - ref["outputs"]).abs().max()) < 1e-5
-        assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    # each DP rank reports the loss of its half of the global batch
+    dp = [r["runs"][run]["losses"] for r in tp2 if r["layout"]["tp"] == 0]
+    mean = [sum(step) / len(step) for step in zip(*dp)]
+    assert mean == pytest.approx(ref["losses"], abs=1e-5)
     b = ref["factors"]["decoder.layers.0.mlp.linear_fc1"][1]
     assert float(b.abs().max()) > 1e-3  # the adapters did move
 
 
 @pytest.mark.timeout(300)
 def test_distributed_smuon_equals_replicated(tp2):
+    """Owners over TP, owners over TP x DP and replicated work: bitwise the same update."""
     for r in tp2:
-        dist_run, repl = r["runs"]["smuon"], r["runs"]["smuon_replicate"]
-        for k in dist_run["factors"]:
-            for x, y in zip(dist_run["factors"][k], repl["factors"][k]):
-                assert torch.equal(x, y), k
-        assert "exchange_s" in dist_run["timing"] and "exchange_s" not in repl["timing"]
+        repl = r["runs"]["smuon_replicate"]
+        for name in ("smuon", "smuon_tp_dp"):
+            run = r["runs"][name]
+            for k in run["factors"]:
+                for x, y in zip(run["factors"][k], repl["factors"][k]):
+                    assert torch.equal(x, y), (name, k)
+            assert "exchange_s" in run["timing"]
+        assert "exchange_s" not in repl["timing"]
 
 
 @pytest.mark.timeout(300)
@@ -160,6 +180,7 @@ def test_bad_input_errors(tp1):
     assert "larger than min(m, n)" in e["rank_too_big"]
     assert "alpha" in e["alpha"]
     assert "no expert linear layers" in e["experts_dense"]
+    assert tp1["qkv_plus_experts_dense"] == 4  # "experts if present": skipped in a dense model
     assert "already has a LoRA adapter" in e["twice"]
     assert "before wrapping" in e["after_ddp"]
     assert "unknown LoRA optimizer" in e["bad_optimizer"]
@@ -173,3 +194,43 @@ def test_moe_expert_targets(tp1):
     assert "decoder.layers.1.mlp.experts.local_experts.1.linear_fc2" in names
     assert not any(n.endswith(("linear_qkv", "linear_proj")) for n in names)
     assert math.isfinite(tp1["moe_b0_diff"])
+
+
+@pytest.mark.timeout(300)
+def test_pp2_matches_tp1(tp1, pp2):
+    """Pipeline stages name layers globally; the two stages' adapters are the TP1 ones."""
+    _, results = pp2
+    factors = {}
+    for r in results:
+        assert not set(factors) & set(r["runs"]["smuon"]["factors"])  # disjoint stages
+        factors.update(r["runs"]["smuon"]["factors"])
+    ref = tp1["runs"]["smuon"]
+    assert _max_rel(factors, ref["factors"]) < 1e-4
+    last = [r for r in results if r["layout"]["pp"] == 1][0]["runs"]["smuon"]
+    assert last["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    assert tp1["pp2_ckpt_loaded"] == N_ADAPTERS  # its adapter file has both stages
+    assert float((tp1["pp2_ckpt_outputs"] - ref["outputs"]).abs().max()) < 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_full_dist_checkpoint_with_adapters_tp2_to_tp1(tp1, tp2):
+    """The layers' sharded_state_dict shards the adapters like their base weights (gated fc1
+    included), so a full dist_checkpointing checkpoint at TP2 loads at TP1."""
+    saved = tp2[0]["runs"]["smuon"]["factors"]
+    for k, (A, B) in tp1["full_ckpt_factors"].items():
+        assert torch.equal(A, saved[k][0]) and torch.equal(B, saved[k][1]), k
+    assert set(tp1["full_ckpt_factors"]) == set(saved)
+    assert float((tp1["full_ckpt_outputs"] - tp2[0]["saved_outputs"]).abs().max()) < 1e-5
+
+
+@pytest.mark.timeout(60)
+def test_recipe_bad_flags_fail_fast():
+    """examples/finetune_lora.py rejects bad LoRA flags before starting anything."""
+    script = Path(__file__).resolve().parents[1] / "examples" / "finetune_lora.py"
+    for flags, message in ((["--lora-rank", "0"], "LoRA rank must be >= 1"),
+                           (["--lora-alpha", "-1"], "LoRA alpha must be a finite number > 0"),
+                           (["--optimizer", "sgd"], "invalid choice")):
+        p = subprocess.run([sys.executable, str(script), *flags], capture_output=True,
+                           text=True, timeout=50)
+        assert p.returncode == 2, p.stderr[-2000:]
+        assert p.stderr.startswith("error: ") and message in p.stderr, p.stderr[-2000:]

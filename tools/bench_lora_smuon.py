@@ -20,10 +20,21 @@ step split into gradient gather, direction work and direction exchange, and the
 optimizer's share of the step time.
 
 Replicated work costs every rank the whole sum of direction times; distributed work costs
-each rank 1/TP of it plus one all-gather of the directions.  On this machine's CPUs the
-direction time dominates the exchange at every LoRA size (numbers in the report and in
-``runs/bench_lora_smuon.json``), so ``LoRAOptimizer`` distributes by default.  CPU numbers
-are from one run on a shared machine: ratios, not absolute claims.
+each rank 1/TP of it plus one all-gather of the directions (the gradient gather is needed by
+both).  Measured on the 2-core development machine (one run, shared CPUs: ratios, not
+absolute claims), per hidden-1024 layer set at r = 8 / 16 / 64:
+
+    smuon_direction, all four layers        4.0 / 10.9 / 81.5 ms  (replicated: every rank)
+    distributed at TP2: half of it          2.0 /  5.5 / 40.8 ms
+      + direction all-gather (2 ranks)      1.2 /  0.8 /  3.6 ms
+    gradient-shard all-gather (both)        3.9 /  1.0 /  4.0 ms  (latency-bound, noisy)
+
+and end to end (2 layers, TP2, ``LoRAOptimizer.step``): distribute 16.0 / 22.4 / 104 ms vs
+replicate 18.3 / 30.3 / 181 ms; AdamW-LoRA 7.0 / 6.4 / 18.1 ms.  The exchange is one
+collective for all layers while the direction work grows with the number of layers, so
+distribution wins at every LoRA size we measured and ``LoRAOptimizer`` distributes by default
+(an earlier, noisier run had the r = 8 exchange at 2.8 ms, about break-even for a single layer
+set; with two or more layers distribution still won).
 """
 
 from __future__ import annotations

@@ -38,7 +38,9 @@ Targets: ``qkv`` (``self_attention.linear_qkv``), ``proj`` (``self_attention.lin
 (every ``linear_fc1`` / ``linear_fc2`` of a ``SequentialMLP``'s local experts; grouped-GEMM
 experts have no linear modules and are not supported; expert tensor parallelism must be 1),
 or any module name / dotted name suffix (``output_layer``, ``layers.3.mlp.linear_fc2``) that
-names a ``ColumnParallelLinear`` / ``RowParallelLinear``.  Anything else is a ``ValueError``.
+names a ``ColumnParallelLinear`` / ``RowParallelLinear``.  A name that matches nothing or
+matches another kind of module is a ``ValueError``; an alias may match nothing (``fc1`` in an
+all-MoE model, ``experts`` in a dense one) as long as the targets together match something.
 
 Checkpoints.  ``save_lora(path, model)`` writes one file with the *full, TP-unsharded*
 factors in the TP1 layout (a gated ``linear_fc1``'s rows ``[gate; up]``), keyed by global
@@ -61,7 +63,7 @@ import types
 import zlib
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -113,6 +115,8 @@ class LoRAConfig:
     def __post_init__(self):
         if isinstance(self.targets, str):
             self.targets = [t for t in re.split(r"[,\s]+", self.targets) if t]
+        if not isinstance(self.targets, (list, tuple)):
+            raise ValueError(f"LoRA targets must be a list of names, got {self.targets!r}")
         self.targets = list(self.targets)
         self.validate()
 
@@ -464,20 +468,16 @@ def _alias_matches(alias: str, name: str) -> bool:
 
 
 def _match_targets(root: torch.nn.Module, targets: Sequence[str]) -> list[tuple[str, torch.nn.Module]]:
+    """Modules named by ``targets``.  A module-name target must match; an alias may match
+    nothing (``fc1`` in an all-MoE model, ``experts`` in a dense one) as long as the targets
+    together match something."""
     Column, Row = _linear_classes()
     modules = dict(root.named_modules())
+    order = {n: i for i, n in enumerate(modules)}
     chosen: dict[str, torch.nn.Module] = {}
     for target in targets:
         if target in LORA_TARGETS:
             hits = [(n, m) for n, m in modules.items() if n and _alias_matches(target, n)]
-            if not hits:
-                if target == "experts":
-                    raise ValueError(
-                        "LoRA target 'experts': the model has no expert linear layers (a dense "
-                        "model, or grouped-GEMM experts, which have no linear modules and are "
-                        "not supported; use moe_grouped_gemm=False)")
-                if any(re.search(r"(^|\.)layers\.\d+$", n) for n in modules):
-                    raise ValueError(f"LoRA target {target!r} matches no layer of this model")
         else:
             hits = [(n, m) for n, m in modules.items()
                     if n and (n == target or n.endswith("." + target))]
@@ -496,7 +496,15 @@ def _match_targets(root: torch.nn.Module, targets: Sequence[str]) -> list[tuple[
                     f"LoRA target {target!r} matches {n} ({type(m).__name__}), which is not a "
                     f"linear layer (ColumnParallelLinear or RowParallelLinear)")
             chosen[n] = m
-    return sorted(chosen.items(), key=lambda item: list(modules).index(item[0]))
+    has_layers = any(re.search(r"(^|\.)layers\.\d+$", n) for n in modules)
+    if not chosen and has_layers:
+        if "experts" in targets:
+            raise ValueError(
+                "LoRA target 'experts': the model has no expert linear layers (a dense model, "
+                "or grouped-GEMM experts, which have no linear modules and are not supported; "
+                "use moe_grouped_gemm=False)")
+        raise ValueError(f"LoRA targets {list(targets)} match no layer of this model")
+    return sorted(chosen.items(), key=lambda item: order[item[0]])
 
 
 def apply_lora(model, config: Optional[LoRAConfig] = None, **kwargs) -> list[LoRAAdapter]:

@@ -20,9 +20,11 @@ maths is exactly the tested single-device maths whatever the TP layout.  Per ste
    stays replicated and layout-independent), computes the directions of the adapters it
    owns (a greedy balance of ``(m + n) r^2``), and one ``all_gather`` of the packed
    directions gives every rank all of them.  ``smuon_work="replicate"`` runs
-   ``SMuon.step`` redundantly on every rank instead.  Both give bitwise the same update;
-   ``tools/bench_lora_smuon.py`` measures which is faster (distribute, at every LoRA size we
-   measured: see its docstring).
+   ``SMuon.step`` redundantly on every rank instead.  Both give bitwise the same update.
+   ``tools/bench_lora_smuon.py`` measured (CPU, TP2, hidden 1024): one layer set's directions
+   take 4.0 / 10.9 / 81.5 ms at r = 8 / 16 / 64, the direction all-gather 1.2 / 0.8 / 3.6 ms,
+   and a 2-layer step 16.0 vs 18.3, 22.4 vs 30.3, 104 vs 181 ms (distribute vs replicate):
+   the work is worth distributing at every LoRA size, hence the default.
 4. every rank writes its shards of the updated masters back into the model's parameters.
 
 The returned ``step()`` value is Megatron's ``(update_successful, grad_norm, num_zeros)``; a

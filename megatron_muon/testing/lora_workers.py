@@ -104,14 +104,18 @@ def _train(model, cfg, optimizer: str, steps: int, opt: dict, **okw):
     return optim, losses, grads
 
 
-def lora_train(cfg: dict, tp: int = 1, steps: int = 4, runs: Optional[dict] = None,
+def lora_train(cfg: dict, tp: int = 1, pp: int = 1, steps: int = 4, runs: Optional[dict] = None,
                save: Optional[str] = None, lora: Optional[dict] = None) -> dict:
     """Train LoRA adapters on the tiny GPT for each entry of ``runs`` (name: dict(optimizer,
-    opt, okw, cfg_extra)); return losses, full adapters, outputs and base-weight checks."""
+    opt, okw, cfg_extra)); return losses, full adapters, outputs and base-weight checks.
+
+    ``save``: after the first run, write ``save/adapter.pt`` (save_lora) and, with PP 1, a
+    full-model dist_checkpointing checkpoint ``save/full`` (base + adapters).
+    """
     from megatron_muon.megatron.lora import full_lora_factors, save_lora
 
     lora = {**LORA, **(lora or {})}
-    init_parallel(tp=tp, seed=TinyGPTConfig().seed)
+    init_parallel(tp=tp, pp=pp, seed=TinyGPTConfig().seed)
     runs = runs or {"smuon": {}}
     result = {"layout": layout_ranks(), "runs": {}}
     for name, spec in runs.items():
@@ -123,13 +127,22 @@ def lora_train(cfg: dict, tp: int = 1, steps: int = 4, runs: Optional[dict] = No
                                spec.get("opt", {}), **spec.get("okw", {}))
         after = _base_params(model)
         result["runs"][name] = dict(
-            losses=losses, grads=grads, factors=full_lora_factors(model), outputs=token_losses(model, gcfg),
+            losses=losses, grads=grads, factors=full_lora_factors(model),
+            outputs=token_losses(model, gcfg) if pp == 1 else None,
             base_unchanged=all(torch.equal(before[k], after[k]) for k in before),
             n_base=len(before), timing=optim.last_timing,
             attrs=_attributes(model))
         if save and name == next(iter(runs)):
             save_lora(os.path.join(save, "adapter.pt"), model, metadata={"tp": tp})
             result["saved_outputs"] = result["runs"][name]["outputs"]
+            if pp == 1:
+                from megatron.core import dist_checkpointing
+
+                full = os.path.join(save, "full")
+                if dist.get_rank() == 0:
+                    os.makedirs(full, exist_ok=True)
+                dist.barrier()
+                dist_checkpointing.save({"model": model[0].module.sharded_state_dict()}, full)
     return result
 
 
@@ -157,10 +170,10 @@ def _error(fn) -> Optional[str]:
 
 
 def lora_tp1_checks(cfg: dict, tp2_checkpoint: str, steps: int = 4,
-                    runs: Optional[dict] = None) -> dict:
+                    runs: Optional[dict] = None, pp2_checkpoint: Optional[str] = None) -> dict:
     """TP1: B = 0 equals base, merge/unmerge, reference training, TP2 checkpoint -> TP1, errors,
     MoE experts."""
-    from megatron_muon.megatron.lora import (LoRAConfig, apply_lora, lora_adapters,
+    from megatron_muon.megatron.lora import (LoRAConfig, apply_lora,
                                              lora_disabled, load_lora, merge_lora,
                                              read_lora_config, unmerge_lora)
 
@@ -200,6 +213,26 @@ def lora_tp1_checks(cfg: dict, tp2_checkpoint: str, steps: int = 4,
     out["ckpt_loaded"] = load_lora(os.path.join(tp2_checkpoint, "adapter.pt"), chunks)
     out["ckpt_outputs"] = token_losses(chunks, gcfg)
 
+    # --- the TP2 full-model dist_checkpointing checkpoint (base + sharded adapters) at TP1
+    from megatron.core import dist_checkpointing
+
+    from megatron_muon.megatron.lora import full_lora_factors
+
+    chunks = build_gpt(gcfg, wrap_ddp=False)
+    apply_lora(chunks, LoRAConfig(**LORA))
+    state = dist_checkpointing.load({"model": chunks[0].sharded_state_dict()},
+                                    os.path.join(tp2_checkpoint, "full"))
+    chunks[0].load_state_dict(state["model"])
+    out["full_ckpt_factors"] = full_lora_factors(chunks)
+    out["full_ckpt_outputs"] = token_losses(chunks, gcfg)
+
+    # --- an adapter checkpoint written by a PP2 run
+    if pp2_checkpoint:
+        chunks = build_gpt(gcfg, wrap_ddp=False)
+        apply_lora(chunks, LoRAConfig(**LORA))
+        out["pp2_ckpt_loaded"] = load_lora(os.path.join(pp2_checkpoint, "adapter.pt"), chunks)
+        out["pp2_ckpt_outputs"] = token_losses(chunks, gcfg)
+
     # --- bad input
     def fresh():
         return build_gpt(gcfg, wrap_ddp=False)
@@ -219,6 +252,7 @@ def lora_tp1_checks(cfg: dict, tp2_checkpoint: str, steps: int = 4,
                 chunks, "sgd", lr=0.1),
         "load_missing": lambda: load_lora(os.path.join(tp2_checkpoint, "nope.pt"), chunks),
     }
+    out["qkv_plus_experts_dense"] = len(apply_lora(fresh(), targets=["qkv", "experts"]))
     out["errors"] = {}
     for k, fn in errors.items():
         try:
