@@ -25,10 +25,16 @@ MEGATRON_AGNOSTIC = {"test_kernels.py", "test_tuner.py", "test_smuon.py",
                      "test_costmodel.py"}
 
 
+# The example's end-to-end resume (~2 min) repeats what test_dmuon's checkpoint tests
+# already check on both versions; it runs in the primary lane only.
+PRIMARY_LANE_ONLY = {("test_pretrain_example.py", "test_save_and_resume_match_an_uninterrupted_run")}
+
+
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("MEGATRON_MUON_CI_LANE") != "secondary":
         return
-    skip = pytest.mark.skip(reason="Megatron-agnostic; runs in the primary CI lane")
+    skip = pytest.mark.skip(reason="runs in the primary CI lane only (tests/conftest.py)")
     for item in items:
-        if item.path.name in MEGATRON_AGNOSTIC:
+        if item.path.name in MEGATRON_AGNOSTIC or \
+                (item.path.name, item.originalname) in PRIMARY_LANE_ONLY:
             item.add_marker(skip)
