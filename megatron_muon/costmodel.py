@@ -168,6 +168,7 @@ class RunConfig:
     main_copy_passes: int = 2  # bf16 training: grads -> fp32 main shard, main -> bf16 params
     grad_norm_calls: int = 1  # all-reduces of the global grad norm per step (clipping)
     mcore_layout: str = "0.19"  # mcore_layerwise as in Megatron-Core 0.19 or 0.16 (see there)
+    pad_uneven_collectives: bool = False  # MatrixFSDP: pad shards to the largest (gloo)
     step_overhead_s: Optional[float] = None  # fixed per-step cost; None: the hardware's
 
 
@@ -475,7 +476,8 @@ def collective_time(hw: Hardware, kind: str, group: Group, recv_bytes: float,
     alpha = base + hops, with (local - 1) NVLink hops and log2(nodes) InfiniBand hops
     (NCCL's tree/PAT algorithms at scale).  'all_reduce' = 2 x the reduce-scatter bytes.
     'all_to_all': alpha + (size - 1) peer costs + max(intra bytes / NVLink, inter bytes / IB).
-    A calibrated profile (gloo) replaces bandwidth and latency by its measured pair.
+    A calibrated profile (gloo) replaces bandwidth and latency by its measured pair
+    ('kind@size' when that group size was measured).
     """
     if group.size <= 1:
         return 0.0
@@ -483,6 +485,7 @@ def collective_time(hw: Hardware, kind: str, group: Group, recv_bytes: float,
     if hw.collectives:
         key = kind if kind in hw.collectives else (
             "all_gather" if kind in ("reduce_scatter", "all_gather_v") else "all_to_all")
+        key = f"{key}@{g}" if f"{key}@{g}" in hw.collectives else key  # measured group size
         bw, lat = hw.collectives.get(key, hw.collectives["all_to_all"])
         factor = 2.0 if kind == "all_reduce" and key != "all_reduce" else 1.0
         return lat + factor * recv_bytes / bw
@@ -680,6 +683,7 @@ class Prediction:
     opt_recv_bytes: float  # everything the optimizer step receives (Muon + param gather)
     memory_bytes: float  # weights + grads + optimizer state + Muon workspace (not activations)
     state_bytes: float  # optimizer state per rank (momentum / Adam moments)
+    muon_state_bytes: float  # Muon momentum on the busiest rank
     imbalance: float  # max/mean - 1 of per-rank NS flops (0: balanced or replicated)
     breakdown: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
@@ -756,6 +760,27 @@ class _Stage:
             self._cache[key] = zero1_holdings(ts, n, tp, self.run, self.bucket)
         return self._cache[key]
 
+    def muon_held_max(self, expert: bool) -> int:
+        """Most Muon-matrix elements any rank's ZeRO-1 shard holds."""
+        z = self.zero1(expert)
+        per: dict = {}
+        for t in (self.experts if expert else self.dense):
+            if t.muon:
+                for g, e in z.pieces[t.name]:
+                    per[g] = per.get(g, 0) + e
+        return max(per.values()) if per else 0
+
+    def muon_held_min(self, expert: bool) -> int:
+        """Fewest Muon-matrix elements any rank of the Muon group holds."""
+        z = self.zero1(expert)
+        g = self.muon_group(expert)
+        per = [0] * g.size
+        for t in (self.experts if expert else self.dense):
+            if t.muon:
+                for r, e in z.pieces[t.name]:
+                    per[r] += e
+        return min(per)
+
     def muon_group(self, expert: bool) -> Group:
         """Ranks that together hold every element of the stage's (dense or local-expert)
         matrices once: DP x TP for dense; expert-DP x ETP for one EP rank's experts (exact
@@ -817,6 +842,7 @@ class _Costs:
     weights: float = 0.0  # bf16 params + fp32 main grads held
     main_state: float = 0.0  # fp32 main params + optimizer state
     opt_state: float = 0.0  # optimizer state only (momentum / Adam moments)
+    muon_state: float = 0.0  # Muon momentum on the busiest rank
     workspace: float = 0.0
     imbalance: float = 0.0
     notes: list = field(default_factory=list)
@@ -834,7 +860,8 @@ def _zero1_common(st: "_Stage", hw: Hardware, run: RunConfig, c: _Costs) -> tupl
         collective_time(hw, "all_gather", st.g_edp, (edp - 1) / edp * E * pb)
     c.pg_recv = (dp - 1) / dp * L * pb + (edp - 1) / edp * E * pb
     shard = L / dp + E / edp
-    muon_shard = st.dense_muon_local / dp + E / edp
+    # Muon elements of the busiest rank's shard (exact, from Megatron's buffer layout)
+    muon_shard = sum(st.muon_held_max(expert) for expert in st.kinds)
     c.bd["elementwise"] = run.main_copy_passes * hw.copy_time(shard)
     c.weights = (pb + gb) * st.local_total
     return shard, muon_shard
@@ -855,7 +882,8 @@ def _cost_zero1_muon(st, hw, run, mode) -> _Costs:
     lay = st.layout
     cb = run.muon_comm_bytes
     shard, muon_shard = _zero1_common(st, hw, run, c)
-    adam_shard = shard - muon_shard
+    adam_shard = max(0.0, shard - muon_shard)
+    c.muon_state = 4 * muon_shard
     c.bd["elementwise"] += hw.muon_elem_time(muon_shard) + hw.adam_time(adam_shard)
     c.opt_state = 4 * muon_shard + 8 * adam_shard
     c.main_state = 4 * shard + c.opt_state
@@ -866,7 +894,9 @@ def _cost_zero1_muon(st, hw, run, mode) -> _Costs:
         g = st.muon_group(expert)
         if mode == "muon_naive":
             full = sum(t.numel for t in ts if t.muon)
-            recv = naive_exchange_bytes(full, g.size, cb)
+            # a rank receives every Muon element it does not hold: (N-1)/N P on average,
+            # P - (least held) on the busiest rank (exact from the buffer layout)
+            recv = (full - st.muon_held_min(expert)) * cb
             calls = sum(1 for t in ts if t.muon) if run.naive_per_matrix_calls else st.nbuckets
             comm += collective_time(hw, "all_to_all", g, recv) + \
                 (calls - 1) * collective_time(hw, "all_to_all", g, 0.0)
@@ -975,6 +1005,8 @@ def _cost_mcore(st, hw, run, mode) -> _Costs:
                                          st.bucket)
             shard_pad = sum(padded)  # per rank, Muon buffer
             adam_shard = adam_total / n
+            # the shard-aligned buffer holds n x the padded shard on every rank
+            c.weights += (pb + gb) * max(0.0, n * shard_pad - (total - adam_total))
             c.grad_sync += collective_time(hw, "reduce_scatter", group,
                                            (n - 1) * (shard_pad + adam_shard) * gb)
             recv = (n - 1) * (shard_pad + adam_shard) * pb
@@ -1013,6 +1045,7 @@ def _cost_mcore(st, hw, run, mode) -> _Costs:
             run.main_copy_passes * hw.copy_time(elems[big])
         c.opt_state += 4 * muon_elems[big] + 8 * adam_own
         c.main_state += 4 * elems[big] + 4 * muon_elems[big] + 8 * adam_own
+        c.muon_state += 4 * max(muon_elems)
         # TP all-gather of the owned matrices' shards; every TP rank runs the same NS
         tp_recv = (ttp - 1) * max(muon_elems) * cb
         tp_comm += collective_time(hw, "all_gather", Group(ttp, 1, lay.gpus_per_node), tp_recv)
@@ -1084,18 +1117,22 @@ def _cost_matrix(st, hw, run, mode) -> _Costs:
                 c.muon_sent += tp_recv
                 c.workspace = max(c.workspace, 4 * ttp * max(muon_share))
         big = max(range(n), key=lambda q: owned[q])
-        pad = max(owned)  # uneven collectives pad every rank to the largest shard
-        rs += collective_time(hw, "reduce_scatter", group, (n - 1) * pad * gb)
-        ag += collective_time(hw, "all_gather", group, (n - 1) * pad * pb)
+        pad = max(owned)
+        # uneven collectives: NCCL all-gather-v / reduce-scatter-v (grouped broadcasts /
+        # reduces) move what a rank lacks; padding to the largest shard (gloo) moves n x max
+        vol = (n - 1) * pad if run.pad_uneven_collectives else total - min(owned)
+        rs += collective_time(hw, "reduce_scatter", group, vol * gb)
+        ag += collective_time(hw, "all_gather", group, vol * pb)
         c.pg_recv += (total - min(owned)) * pb
         owned_total += owned[big]
         mu = muon_share[big]
         elem += hw.muon_elem_time(mu) + hw.adam_time(owned[big] - mu)
         c.opt_state += 4 * mu + 8 * (owned[big] - mu)
+        c.muon_state += 4 * max(muon_share)
         c.main_state += 4 * owned[big] + 4 * mu + 8 * (owned[big] - mu)
-        if n > 1 and mode != "fsdp2_reconstruct" and pad > 1.02 * total / n:
+        if n > 1 and mode != "fsdp2_reconstruct" and pad > 1.1 * total / n:
             c.notes.append(f"{'expert' if expert else 'dense'} shards uneven: largest "
-                           f"{pad / (total / n):.2f} x mean (collectives pad to it)")
+                           f"{pad / (total / n):.2f} x mean")
     c.bd.update(elementwise=elem, ns=ns, muon_comm=tp_comm)
     c.workspace = max(c.workspace, _ns_workspace(ws_units, run.ns_dtype_bytes))
     layers = max(1, len(_layers_of_stage(st.model, lay.pp)))
@@ -1196,6 +1233,7 @@ def predict(model: ModelConfig, layout: Layout, hw: Hardware, mode: str,
         exposed_s=exposed, step_s=fb["compute"] + gs_exposed + exposed + z3_exposed,
         fwd_bwd_s=fb["compute"], muon_recv_bytes=c.muon_recv, muon_sent_bytes=c.muon_sent,
         opt_recv_bytes=c.muon_recv + c.pg_recv, memory_bytes=memory, state_bytes=c.opt_state,
+        muon_state_bytes=c.muon_state,
         imbalance=c.imbalance, breakdown=bd, notes=notes)
 
 

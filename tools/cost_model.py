@@ -47,15 +47,18 @@ BENCH_OPT_NAMES = {"adam": "adamw", "muon_naive": "muon_naive", "dmuon": "dmuon"
 
 
 # ----------------------------------------------------------------------------- calibration
-def _timeit(fn, min_reps: int = 2, budget: float = 1.0) -> float:
-    """Median seconds of ``fn()`` over at least ``min_reps`` runs or ``budget`` seconds."""
+def _timeit(fn, min_reps: int = 3, budget: float = 1.0) -> float:
+    """Fastest seconds of ``fn()`` over at least ``min_reps`` runs or ``budget`` seconds.
+
+    The fastest run, not the median: the development machines are shared with other jobs,
+    and the slow runs measure them, not us."""
     times = []
     t_end = time.perf_counter() + budget
     while len(times) < min_reps or (time.perf_counter() < t_end and len(times) < 50):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def calibrate_worker(ns_shapes: list, a2a_sizes: list, ag_sizes: list, elems: int,
@@ -70,6 +73,7 @@ def calibrate_worker(ns_shapes: list, a2a_sizes: list, ag_sizes: list, elems: in
     out: dict = {"ns": [], "a2a": [], "ag": []}
 
     def synced(fn, reps=3):
+        """Every rank runs ``fn`` at once (as in a step); fastest of ``reps``."""
         ts = []
         for _ in range(reps):
             dist.barrier()
@@ -77,7 +81,7 @@ def calibrate_worker(ns_shapes: list, a2a_sizes: list, ag_sizes: list, elems: in
             fn()
             dist.barrier()
             ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
+        return min(ts)
 
     # the two barriers around every timed call cost something of their own: measure them
     barrier = synced(lambda: None, reps=10)
@@ -90,7 +94,7 @@ def calibrate_worker(ns_shapes: list, a2a_sizes: list, ag_sizes: list, elems: in
     for b, m, n in ns_shapes:  # NS exactly as the optimizer runs it (fp32, quintic, 5 steps)
         x = torch.randn(b, m, n)
         newton_schulz(x, 5, "quintic", dtype=torch.float32)
-        t = synced(lambda: newton_schulz(x, 5, "quintic", dtype=torch.float32), reps=2)
+        t = timed(lambda: newton_schulz(x, 5, "quintic", dtype=torch.float32), reps=3)
         out["ns"].append((min(m, n), max(m, n), b, b * ns_flops(m, n, 5) / t))
     for per_peer in a2a_sizes:  # fp32 elements per peer
         send = torch.randn(per_peer * world)
@@ -104,6 +108,22 @@ def calibrate_worker(ns_shapes: list, a2a_sizes: list, ag_sizes: list, elems: in
         out["ag"].append(((world - 1) * per_rank * 4, t))
     small = torch.zeros(2)
     out["allreduce_lat"] = timed(lambda: dist.all_reduce(small), reps=10)
+    # half-size groups at stride 2 (the DP groups of TP2), all of them at once, as in a step
+    half = world // 2
+    out["ag_half"], out["a2a_half"] = [], []
+    if half >= 2:
+        groups = [dist.new_group(list(range(s, world, 2))) for s in range(2)]
+        mine = groups[rank % 2]
+        for per_rank in ag_sizes:
+            src = torch.randn(per_rank)
+            dst = torch.empty(per_rank * half)
+            t = timed(lambda: dist.all_gather_into_tensor(dst, src, group=mine), reps=4)
+            out["ag_half"].append(((half - 1) * per_rank * 4, t))
+        for per_peer in a2a_sizes:
+            send = torch.randn(per_peer * half)
+            recv = torch.empty_like(send)
+            t = timed(lambda: dist.all_to_all_single(recv, send, group=mine), reps=4)
+            out["a2a_half"].append(((half - 1) * per_peer * 4, t))
 
     # Elementwise costs per element, on ``elems`` fp32 elements (all ranks at once).
     n = elems
@@ -113,7 +133,9 @@ def calibrate_worker(ns_shapes: list, a2a_sizes: list, ag_sizes: list, elems: in
         p.grad = torch.randn_like(p)
     adam = torch.optim.AdamW(params, lr=1e-3)
     adam.step()
-    out["adam_s_per_elem"] = _timeit(adam.step, budget=budget) / n
+    # all ranks at once, barrier-synchronised, like the step they model (an unsynchronised
+    # loop would catch runs in which the other ranks were idle and look twice as fast)
+    out["adam_s_per_elem"] = timed(adam.step, reps=5) / n
     g, buf, p = torch.randn(n), torch.randn(n), torch.randn(n)
     idx = torch.arange(n)
 
@@ -136,12 +158,9 @@ def calibrate_worker(ns_shapes: list, a2a_sizes: list, ag_sizes: list, elems: in
     def copy_pass():
         buf.copy_(g)
 
-    dist.barrier()
-    out["muon_s_per_elem"] = _timeit(muon_elem, budget=budget) / n
-    dist.barrier()
-    out["owned_s_per_elem"] = _timeit(owned_elem, budget=budget) / n
-    dist.barrier()
-    out["copy_s_per_elem"] = _timeit(copy_pass, budget=budget) / n
+    out["muon_s_per_elem"] = timed(muon_elem, reps=5) / n
+    out["owned_s_per_elem"] = timed(owned_elem, reps=5) / n
+    out["copy_s_per_elem"] = timed(copy_pass, reps=5) / n
     tiny = torch.zeros(4)
     out["op_latency_s"] = _timeit(lambda: [tiny.add_(1) for _ in range(200)], budget=0.3) / 200
     return out
@@ -164,7 +183,7 @@ def calibrate_cpu(nproc: int, out_path: Path, quick: bool = False) -> dict:
         ns_shapes=[(8, 128, 128), (4, 384, 384), (2, 384, 1536)] if not quick else
         [(2, 128, 128), (1, 384, 384)],
         a2a_sizes=[1024, 65536, 524288], ag_sizes=[1024, 262144, 1048576],
-        elems=1 << 20, budget=0.5 if not quick else 0.1)
+        elems=1 << 21, budget=0.5 if not quick else 0.1)
     t0 = time.time()
     res = run_ranks("tools.cost_model:calibrate_worker", nproc, kwargs, timeout=300,
                     env={"PYTHONPATH": str(ROOT)})
@@ -185,12 +204,15 @@ def calibrate_cpu(nproc: int, out_path: Path, quick: bool = False) -> dict:
     a2a = _fit_line(worst("a2a"))
     ag = _fit_line(worst("ag"))
     ar_lat = max(r["allreduce_lat"] for r in res)
+    coll = {"all_to_all": list(a2a), "all_gather": list(ag), "all_reduce": [a2a[0], ar_lat]}
+    if res[0]["ag_half"]:  # groups of nproc / 2: 'kind@size' (see costmodel.collective_time)
+        coll[f"all_gather@{nproc // 2}"] = list(_fit_line(worst("ag_half")))
+        coll[f"all_to_all@{nproc // 2}"] = list(_fit_line(worst("a2a_half")))
     prof = dict(
         when=time.strftime("%Y-%m-%d %H:%M"), nproc=nproc, wall_s=round(wall, 1),
         load_avg=os.getloadavg()[0], cpu_count=os.cpu_count(),
         ns_rate_points=ns_rate_points, ns_raw=[r["ns"] for r in res],
-        collectives={"all_to_all": list(a2a), "all_gather": list(ag),
-                     "all_reduce": [a2a[0], ar_lat]},
+        collectives=coll,
         a2a_raw=worst("a2a"), ag_raw=worst("ag"),
         adam_s_per_elem=max(r["adam_s_per_elem"] for r in res),
         muon_s_per_elem=max(r["muon_s_per_elem"] for r in res),
@@ -329,14 +351,21 @@ def cpu_overhead(prof: dict, model: cm.ModelConfig, mode: str) -> float:
 
 def validate(a) -> int:
     profile_path = Path(a.profile)
-    if not profile_path.exists():
+    bench_path = Path(a.bench_json) if a.bench_json else Path("/tmp/bench_cost_model.json")
+    if not a.bench_json:
+        # Measure both now, back to back, so that they see the same machine: calibrate,
+        # run the bench, and say how busy the machine was.
+        print(f"# calibrating ({a.bench_nproc} ranks), load avg {os.getloadavg()[0]:.1f}",
+              flush=True)
+        calibrate_cpu(a.bench_nproc, profile_path)
+        print(f"# benchmark, load avg {os.getloadavg()[0]:.1f}", flush=True)
+        run_bench(bench_path, a.bench_nproc, a.bench_tp)
+        print(f"# done, load avg {os.getloadavg()[0]:.1f}", flush=True)
+    elif not profile_path.exists():
         print(f"# no CPU profile at {profile_path}: calibrating first", flush=True)
         calibrate_cpu(a.bench_nproc, profile_path)
     prof = json.loads(profile_path.read_text())
     hw = cm.load_cpu_profile(str(profile_path))
-    bench_path = Path(a.bench_json) if a.bench_json else Path("/tmp/bench_cost_model.json")
-    if not bench_path.exists():
-        run_bench(bench_path, a.bench_nproc, a.bench_tp)
     res = json.loads(bench_path.read_text())
     nproc = len(res)
     if nproc != a.bench_nproc:
@@ -373,7 +402,7 @@ def validate(a) -> int:
         imb_meas = f"{100 * m_imb:7.1f}%" if m_imb is not None else "       -"
         print(f"{bench_name:11s} {p.opt_s * 1e3:8.1f}ms {meas * 1e3:8.1f}ms {err:+6.1f}% | "
               f"{p.muon_recv_bytes / 1024:8.0f}K {m_recv / 1024:9.0f}K {recv_err:>7s} | "
-              f"{p.state_bytes / 1024:9.0f}K {state_meas} | {100 * p.imbalance:7.1f}% {imb_meas} "
+              f"{p.muon_state_bytes / 1024:9.0f}K {state_meas} | {100 * p.imbalance:7.1f}% {imb_meas} "
               f"| ms: {bd}")
         rows.append(dict(optimizer=bench_name, predicted_s=p.opt_s, measured_s=meas,
                          err_pct=err, breakdown=p.breakdown))
@@ -393,101 +422,147 @@ def validate(a) -> int:
 
 # ----------------------------------------------------------------------------- claims
 def claims_rows(overlap_eff: float = 0.5) -> list[dict]:
-    """Each published claim, the settings we model it with, and the model's numbers."""
+    """Each published claim, the settings we model it with, the model's numbers, a verdict
+    and why (the reasons are the model's own breakdown, stated with the numbers)."""
     H100, A100 = cm.HARDWARE["H100"], cm.HARDWARE["A100"]
     base = cm.RunConfig(overlap_efficiency=overlap_eff)
     rows = []
 
+    def muon_part(p):
+        return p.breakdown["ns"] + p.breakdown["muon_comm"] + p.breakdown["owned"]
+
     # 1. DMuon optimizer step vs naive distributed Muon: 6.85x - 163x.
-    ratios = []
-    for name, tp, ep, worlds in (("llama3-8b", 1, 1, (8, 16, 32, 64, 128)),
-                                 ("qwen3-30b-a3b", 1, 8, (8, 16, 32, 64, 128))):
-        for w in worlds:
+    got = []
+    for name, tp, ep in (("llama3-8b", 1, 1), ("llama3-70b", 8, 1), ("qwen3-30b-a3b", 1, 8)):
+        for w in (8, 16, 32, 64, 128, 256, 512, 1024):
             lay = cm.layout_for(w, tp=tp, ep=ep)
-            for per_matrix in (False, True):
-                run = replace(base, naive_per_matrix_calls=per_matrix)
-                nv = cm.predict(cm.MODELS[name], lay, H100, "muon_naive", run)
-                dm = cm.predict(cm.MODELS[name], lay, H100, "dmuon", run)
-                muon = lambda p: p.breakdown["ns"] + p.breakdown["muon_comm"] + p.breakdown["owned"]
-                ratios.append((name, w, per_matrix, nv.opt_s / dm.opt_s, muon(nv) / muon(dm)))
-    lo = min(r[3] for r in ratios)
-    hi = max(r[3] for r in ratios)
-    lo_m = min(r[4] for r in ratios)
-    hi_m = max(r[4] for r in ratios)
-    detail = "; ".join(f"{n} {w} GPUs{' per-matrix' if pm else ''}: {r:.1f}x ({m:.1f}x)"
-                       for n, w, pm, r, m in ratios if w in (8, 128))
+            nv = cm.predict(cm.MODELS[name], lay, H100, "muon_naive", base)
+            dm = cm.predict(cm.MODELS[name], lay, H100, "dmuon", base)
+            got.append((name, w, nv.opt_s / dm.opt_s, muon_part(nv) / muon_part(dm),
+                        dm.imbalance))
+    at8 = [g for g in got if g[1] == 8 and g[0] != "qwen3-30b-a3b"]
+    top = max(got, key=lambda g: g[2])
     rows.append(dict(
         claim="DMuon optimizer step 6.85x-163x faster than naive distributed Muon",
-        setting="H100, Llama-3-8B-like (TP1) and Qwen3-30B-A3B-like (EP8), 8-128 GPUs; naive "
-                "with one all-to-all per bucket or one collective per matrix",
-        predicted=f"{lo:.1f}x-{hi:.1f}x whole step (Muon part only: {lo_m:.1f}x-{hi_m:.1f}x)",
-        verdict=_verdict_range((lo, hi), (6.85, 163)),
-        detail=detail))
+        setting="H100; Llama-3-8B-like TP1, Llama-3-70B-like TP8, Qwen3-30B-A3B-like EP8; "
+                "8-1024 GPUs; optimizer.step() with param all-gather overlapped",
+        predicted=f"{min(g[2] for g in got):.1f}x-{top[2]:.1f}x (dense models at 8 GPUs "
+                  f"{min(g[2] for g in at8):.1f}x-{max(g[2] for g in at8):.1f}x; largest: "
+                  f"{top[0]} at {top[1]} GPUs)",
+        verdict=("agrees" if all(abs(g[2] / 6.85 - 1) <= 0.25 for g in at8) else "disagrees")
+        + " at the low end (one node); " + ("reaches" if top[2] >= 163 else "falls short of")
+        + " the high end",
+        why="Per rank DMuon divides NS by N and moves 2(N-1)/N^2 of the bytes naive moves "
+            f"(N-1)/N of, so the speedup grows ~N on one node ({min(g[2] for g in at8):.1f}x-"
+            f"{max(g[2] for g in at8):.1f}x at N=8, the paper's "
+            "6.85x) and then saturates: a unit is never split, so once N exceeds the number "
+            "of large units the busiest owner holds one whole fc1/fc2 (plan imbalance "
+            f"{top[4]:.1f} at {top[1]} GPUs) and the naive all-gather stops growing. The model "
+            f"tops out at {top[2]:.0f}x; 163x needs more units per stage (a larger model) or a slower "
+            "naive step than the model's (batched bf16 NS at 60% of peak, one all-to-all per "
+            "bucket). Qwen3-30B-A3B-like with EP8 gains least at 8 GPUs (1.2x): its experts "
+            "already live whole on one EP rank (expert-DP size 1), so naive is not redundant "
+            "for them.",
+        detail="; ".join(f"{n} {w}: {r:.1f}x (Muon part {m:.1f}x)" for n, w, r, m, _ in got
+                         if w in (8, 64, 1024))))
 
     # 2. DMuon end-to-end: +1.7% to +3.4% step time vs AdamW on 16 nodes (128 GPUs).
-    parts = []
-    vals = []
-    for name, tp, pp, ep in (("llama3-8b", 1, 1, 1), ("llama3-70b", 8, 2, 1),
-                             ("qwen3-30b-a3b", 1, 1, 8)):
-        lay = cm.layout_for(128, tp=tp, pp=pp, ep=ep)
-        ad = cm.predict(cm.MODELS[name], lay, H100, "adamw", base)
-        for mode in ("dmuon", "dmuon_overlap"):
-            p = cm.predict(cm.MODELS[name], lay, H100, mode, base)
-            d = 100 * (p.step_s / ad.step_s - 1)
-            vals.append((mode, d))
-            parts.append(f"{name} {mode}: {d:+.2f}%")
-    dm_vals = [d for m, d in vals if m == "dmuon"]
-    ov_vals = [d for m, d in vals if m == "dmuon_overlap"]
+    parts, dm_vals, ov_vals, exposed = [], [], [], []
+    for gbs in (1024, 256):
+        run = replace(base, global_batch=gbs)
+        for name, tp, pp, ep in (("llama3-8b", 1, 1, 1), ("llama3-70b", 8, 2, 1),
+                                 ("qwen3-30b-a3b", 1, 1, 8)):
+            lay = cm.layout_for(128, tp=tp, pp=pp, ep=ep)
+            ad = cm.predict(cm.MODELS[name], lay, H100, "adamw", run)
+            for mode in ("dmuon", "dmuon_overlap"):
+                p = cm.predict(cm.MODELS[name], lay, H100, mode, run)
+                d = 100 * (p.step_s / ad.step_s - 1)
+                (dm_vals if mode == "dmuon" else ov_vals).append(d)
+                if mode == "dmuon":
+                    exposed.append(p.exposed_s - ad.exposed_s)
+                parts.append(f"{name} batch {gbs} {mode}: {d:+.2f}%")
     rows.append(dict(
         claim="DMuon end-to-end step +1.7% to +3.4% vs AdamW on 16 nodes",
-        setting="128 H100, global batch 1024 x seq, MFU 0.40; Llama-3-8B-like TP1, "
-                "Llama-3-70B-like TP8xPP2, Qwen3-30B-A3B-like EP8",
+        setting="128 H100, MFU 0.40, global batch 1024 and 256 sequences; Llama-3-8B-like "
+                "TP1, Llama-3-70B-like TP8xPP2, Qwen3-30B-A3B-like EP8",
         predicted=f"dmuon {min(dm_vals):+.2f}% to {max(dm_vals):+.2f}%; dmuon_overlap "
                   f"{min(ov_vals):+.2f}% to {max(ov_vals):+.2f}%",
-        verdict=_verdict_range((min(dm_vals + ov_vals), max(dm_vals + ov_vals)), (1.7, 3.4)),
+        verdict=_verdict_range((min(dm_vals), max(dm_vals)), (1.7, 3.4)) + " (dmuon)",
+        why="The overhead is DMuon's exposed step (exchange + NS, "
+            f"{1e3 * min(exposed):.0f}-{1e3 * max(exposed):.0f} ms more than AdamW here) over a "
+            "forward/backward the model derives from an assumed MFU and batch, so the "
+            "percentage scales inversely with the batch: the claim's range sits inside the "
+            f"model's spread. With overlap the model hides most of it (window = {overlap_eff:g} x "
+            "(the backward after the first bucket - the gradient reduce-scatter)) except "
+            "where the reduce-scatter fills the backward (Qwen3-like at batch 256); the "
+            "paper's +1.7-3.4% is closer to the non-overlapped prediction or to a much "
+            "smaller window.",
         detail="; ".join(parts)))
 
     # 3. MatrixFSDP: 4.2x (1 node) and 54.6x (8 nodes, 64 A100) vs reconstruction.
-    parts, got = [], {}
+    parts, got3 = [], {}
     for name in ("gpt-1.3b", "llama3-8b"):
         for w in (8, 64):
             lay = cm.layout_for(w, gpus_per_node=8)
             rc = cm.predict(cm.MODELS[name], lay, A100, "fsdp2_reconstruct", base)
             mf = cm.predict(cm.MODELS[name], lay, A100, "matrix_zero3", base)
-            got[(name, w)] = rc.opt_s / mf.opt_s
-            parts.append(f"{name} {w} A100: {rc.opt_s * 1e3:.0f} ms / {mf.opt_s * 1e3:.0f} ms = "
-                         f"{rc.opt_s / mf.opt_s:.1f}x")
-    one = [v for (n, w), v in got.items() if w == 8]
-    eight = [v for (n, w), v in got.items() if w == 64]
+            got3[(name, w)] = rc.opt_s / mf.opt_s
+            parts.append(f"{name} {w} A100: {rc.opt_s * 1e3:.0f} ms / {mf.opt_s * 1e3:.0f} ms "
+                         f"= {rc.opt_s / mf.opt_s:.1f}x (MatrixFSDP imbalance "
+                         f"{100 * mf.imbalance:.0f}%)")
+    one = [v for (n, w), v in got3.items() if w == 8]
+    eight = [v for (n, w), v in got3.items() if w == 64]
     rows.append(dict(
         claim="MatrixFSDP optimizer step 4.2x (1 node) / 54.6x (8 nodes, 64 A100) vs "
               "FSDP2-Muon reconstruction",
-        setting="A100, ZeRO-3 (TP1), GPT-1.3B-like and Llama-3-8B-like; baseline all-gathers "
-                "every matrix (one call per parameter) and runs all NS on every rank",
+        setting="A100, ZeRO-3, TP1, GPT-1.3B-like and Llama-3-8B-like; the baseline "
+                "all-gathers every matrix (one call per parameter) and runs all NS everywhere",
         predicted=f"1 node {min(one):.1f}x-{max(one):.1f}x; 8 nodes {min(eight):.1f}x-"
                   f"{max(eight):.1f}x",
-        verdict=_verdict_range((min(one), max(one)), (4.2, 4.2), tol=0.5) + " (1 node); " +
-        _verdict_range((min(eight), max(eight)), (54.6, 54.6), tol=0.5) + " (8 nodes)",
+        verdict=_verdict_range((min(one), max(one)), (4.2, 4.2), tol=0.25) + " on 1 node; " +
+        _verdict_range((min(eight), max(eight)), (54.6, 54.6), tol=0.5) + " on 8 nodes",
+        why="On one node the reconstruction's NVLink all-gather is cheap, so the ratio is the "
+            "NS redundancy, ~N = 8 in the model against 4.2x measured: the paper's MatrixFSDP "
+            "step keeps costs the model does not charge it (uneven shards' collectives, "
+            "per-matrix launches, NS kernels at lower efficiency on a rank's few matrices). "
+            "Across 8 nodes the baseline's all-gather of every matrix goes over InfiniBand "
+            "and dominates, which takes the ratio past N; the model's 51x-81x brackets 54.6x.",
         detail="; ".join(parts)))
 
     # 4. Megatron-Core Muon: ~2-4% throughput loss vs AdamW.
-    parts, losses = [], []
+    parts, losses = [], {"0.16": [], "0.19": []}
     for name, w, tp, pp, ep in (("kimi-k2", 512, 1, 16, 16), ("qwen3-30b-a3b", 64, 1, 1, 8),
                                 ("qwen3-30b-a3b", 128, 2, 1, 8)):
         lay = cm.layout_for(w, tp=tp, pp=pp, ep=ep)
         ad = cm.predict(cm.MODELS[name], lay, H100, "adamw", base)
-        mc = cm.predict(cm.MODELS[name], lay, H100, "mcore_layerwise", base)
-        loss = 100 * (1 - ad.step_s / mc.step_s)
-        losses.append(loss)
-        parts.append(f"{name} {w} GPUs TP{tp} PP{pp} EP{ep}: {loss:.2f}% "
-                     f"(opt {mc.opt_s * 1e3:.0f} ms vs AdamW exposed {ad.exposed_s * 1e3:.0f} ms)")
+        for v in ("0.19", "0.16"):
+            mc = cm.predict(cm.MODELS[name], lay, H100, "mcore_layerwise",
+                            replace(base, mcore_layout=v))
+            loss = 100 * (1 - ad.step_s / mc.step_s)
+            losses[v].append(loss)
+            parts.append(f"{name} {w} GPUs TP{tp} PP{pp} EP{ep} mcore {v}: {loss:.2f}% "
+                         f"(exposed {mc.exposed_s * 1e3:.0f} ms vs AdamW {ad.exposed_s * 1e3:.0f} "
+                         f"ms, NS imbalance {100 * mc.imbalance:.0f}%)")
     rows.append(dict(
         claim="Megatron-Core layer-wise Muon: ~2-4% throughput loss vs AdamW (Kimi-K2-like, "
               "Qwen3-30B-A3B-like)",
         setting="H100, MFU 0.40, global batch 1024; Kimi-K2-like 512 GPUs PP16 EP16, "
-                "Qwen3-30B-A3B-like 64 GPUs EP8 and 128 GPUs TP2 EP8",
-        predicted=f"{min(losses):.2f}%-{max(losses):.2f}%",
-        verdict=_verdict_range((min(losses), max(losses)), (2, 4)),
+                "Qwen3-30B-A3B-like 64 GPUs EP8 and 128 GPUs TP2 EP8; Megatron-Core 0.19 "
+                "layout and 0.16 layout",
+        predicted=f"0.19: {min(losses['0.19']):.2f}%-{max(losses['0.19']):.2f}%; 0.16: "
+                  f"{min(losses['0.16']):.2f}%-{max(losses['0.16']):.2f}%",
+        verdict=_verdict_range((min(losses["0.19"]), max(losses["0.19"])), (2, 4)) +
+        " (0.19); " + _verdict_range((min(losses["0.16"]), max(losses["0.16"])), (2, 4)) +
+        " (0.16)",
+        why="0.16 all-gathers the updated parameters inside step() (never overlapped) and "
+            f"all-reduces full gradients: {min(losses['0.16']):.0f}-"
+            f"{max(losses['0.16']):.0f}% in the model. 0.19's shard-aligned buffer "
+            "lets the distributed optimizer overlap both, leaving the duplicated NS of each "
+            f"rank's whole matrices: {losses['0.19'][1]:.1f}% for Qwen3-30B-A3B-like, "
+            f"{losses['0.19'][0]:.1f}% for Kimi-K2-like, whose "
+            "stage of 4 layers with 384/16 experts per EP rank leaves expert-DP = 2 owners "
+            "per expert and the dense fc1 (2 x 18432 x 7168) as one unit. The claim's 2-4% "
+            "falls between the layouts' predictions.",
         detail="; ".join(parts)))
     return rows
 
@@ -510,6 +585,7 @@ def print_claims(a) -> int:
         print(f"    setting:   {r['setting']}")
         print(f"    predicted: {r['predicted']}")
         print(f"    verdict:   {r['verdict']}")
+        print(f"    why:       {r['why']}")
         print(f"    detail:    {r['detail']}")
     return 0
 
@@ -529,47 +605,80 @@ def plot(a, out_dir: Path) -> int:
     modes = list(cm.MODES)
     preds = cm.sweep(model, hw, modes, worlds, run, tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp,
                      gpus_per_node=a.gpus_per_node)
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    tag = f"{model.name}_{hw.name}_tp{a.tp}pp{a.pp}ep{a.ep}"
+    lay_txt = f"TP{a.tp} PP{a.pp} EP{a.ep}"
+    styles = dict(adamw=("k", "o", "-"), muon_naive=("tab:red", "x", "--"),
+                  mcore_layerwise=("tab:orange", "s", "-"), dmuon=("tab:blue", "o", "-"),
+                  dmuon_overlap=("tab:cyan", "^", ":"), matrix_zero1=("tab:green", "D", "-"),
+                  matrix_zero3=("tab:olive", "v", "--"))
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.2))
+    base = {p.world: p.step_s for p in preds if p.mode == "adamw"}
     for mode in modes:
         ps = [p for p in preds if p.mode == mode]
         xs = [p.world for p in ps]
-        axes[0].plot(xs, [p.step_s for p in ps], marker="o", label=mode)
-        axes[1].plot(xs, [max(p.opt_s, 1e-6) for p in ps], marker="o", label=mode)
-    axes[0].set(xscale="log", yscale="log", xlabel="GPUs", ylabel="training step (s)",
-                title=f"step time: {model.name}, {hw.name}, TP{a.tp} PP{a.pp} EP{a.ep}, "
-                      f"batch {run.global_batch}")
-    axes[1].set(xscale="log", yscale="log", xlabel="GPUs", ylabel="optimizer step (s)",
-                title="optimizer step (nothing overlapped)")
+        col, mk, ls = styles.get(mode, (None, "o", "-"))
+        kw = dict(marker=mk, linestyle=ls, color=col, label=mode)
+        axes[0].plot(xs, [p.step_s for p in ps], **kw)
+        axes[1].plot(xs, [100 * (p.step_s / base[p.world] - 1) for p in ps], **kw)
+        axes[2].plot(xs, [max(p.opt_s, 1e-5) for p in ps], **kw)
+        for p in ps:  # ring where the model says it does not fit in memory
+            if p.memory_bytes > hw.memory_gib * 2**30:
+                axes[0].plot([p.world], [p.step_s], marker="o", ms=12, mfc="none", color=col)
+    axes[0].set(yscale="log", ylabel="training step (s)",
+                title=f"step time: {model.name} on {hw.name}, {lay_txt}, global batch "
+                      f"{run.global_batch}\n(ring: > {hw.memory_gib:.0f} GiB before activations)")
+    axes[1].set(yscale="symlog", ylabel="step time vs AdamW (%)",
+                title=f"overhead vs AdamW (MFU {run.mfu}, overlap eff. {run.overlap_efficiency})")
+    axes[2].set(yscale="log", ylabel="optimizer.step() (s)",
+                title="optimizer.step() (param all-gather in it only if not overlapped)")
     for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xlabel("GPUs")
         ax.set_xticks(worlds)
         ax.set_xticklabels([str(w) for w in worlds], rotation=45)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    f1 = out_dir / "step_time_vs_gpus.png"
-    fig.savefig(f1, dpi=110)
+    f1 = out_dir / f"step_time_vs_gpus_{tag}.png"
+    fig.savefig(f1, dpi=100)
     plt.close(fig)
 
     at = a.breakdown_gpus or worlds[len(worlds) // 2]
     lay = cm.layout_for(at, a.tp, a.pp, a.ep, a.etp, a.gpus_per_node)
     comps = ["elementwise", "owned", "ns", "muon_comm", "param_gather", "grad_norm", "overhead"]
-    fig, ax = plt.subplots(figsize=(11, 5))
-    bottoms = [0.0] * len(modes)
+    colors = ["tab:gray", "tab:brown", "tab:green", "tab:red", "tab:purple", "tab:pink",
+              "tab:olive"]
     ps = [cm.predict(model, lay, hw, m, run) for m in modes]
-    for comp in comps:
-        vals = [p.breakdown.get(comp, 0.0) * 1e3 for p in ps]
-        ax.bar(modes, vals, bottom=bottoms, label=comp)
-        bottoms = [b + v for b, v in zip(bottoms, vals)]
-    ax.scatter(modes, [p.exposed_s * 1e3 for p in ps], color="black", marker="_", s=600,
-               zorder=5, label="exposed (adds to the step)")
-    ax.set(ylabel="ms per optimizer step", yscale="log" if a.log_breakdown else "linear",
-           title=f"optimizer-step breakdown: {model.name}, {hw.name}, {at} GPUs "
-                 f"(TP{lay.tp} PP{lay.pp} DP{lay.dp} EP{lay.ep})")
-    ax.legend(fontsize=8)
-    plt.setp(ax.get_xticklabels(), rotation=20)
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5.2))
+    for ax, sel in ((axes[0], modes), (axes[1], [m for m in modes if m != "muon_naive"])):
+        sub = [p for p in ps if p.mode in sel]
+        bottoms = [0.0] * len(sub)
+        for comp, colr in zip(comps, colors):
+            vals = [p.breakdown.get(comp, 0.0) * 1e3 for p in sub]
+            hidden = [comp == "param_gather" and p.opt_s < sum(
+                p.breakdown.get(k, 0.0) for k in comps) - 1e-12 for p in sub]
+            for i, (v, h) in enumerate(zip(vals, hidden)):
+                ax.bar(sel[i], v, bottom=bottoms[i], color=colr, alpha=0.35 if h else 1.0,
+                       hatch="//" if h else None, edgecolor="white" if h else None,
+                       label=(comp if not h else f"{comp} (overlapped, not in step)")
+                       if i == 0 or (h and not any(hidden[:i])) else None)
+            bottoms = [b + v for b, v in zip(bottoms, vals)]
+        ax.scatter(sel, [p.exposed_s * 1e3 for p in sub], color="black", marker="_", s=700,
+                   zorder=5, label="exposed (adds to the step)")
+        ax.set(ylabel="ms per step")
+        plt.setp(ax.get_xticklabels(), rotation=20)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].set_title(f"optimizer breakdown: {model.name}, {hw.name}, {at} GPUs "
+                      f"(TP{lay.tp} PP{lay.pp} DP{lay.dp} EP{lay.ep})")
+    axes[1].set_title("same, without muon_naive")
+    handles, labels = axes[1].get_legend_handles_labels()
+    seen = {}
+    for h, l in zip(handles, labels):
+        seen.setdefault(l, h)
+    axes[1].legend(seen.values(), seen.keys(), fontsize=8)
     fig.tight_layout()
-    f2 = out_dir / "breakdown.png"
-    fig.savefig(f2, dpi=110)
+    f2 = out_dir / f"breakdown_{tag}_{at}gpus.png"
+    fig.savefig(f2, dpi=100)
     plt.close(fig)
     print(f"wrote {f1} and {f2}")
     print(f"# command: python tools/cost_model.py {' '.join(sys.argv[1:])}")
@@ -617,10 +726,11 @@ def main(argv=None) -> int:
     g.add_argument("--naive-per-matrix-calls", action="store_true")
     g.add_argument("--no-overlap", action="store_true", help="no grad-reduce / param-gather overlap")
     g.add_argument("--breakdown-gpus", type=int, default=None)
-    g.add_argument("--log-breakdown", action="store_true")
     g.add_argument("--json", default=None, help="also write the results here")
     g = p.add_argument_group("validation (tools/bench_optimizer.py settings)")
-    g.add_argument("--bench-json", default=None, help="read these bench results (else run it)")
+    g.add_argument("--bench-json", default=None,
+                   help="read these bench results and the --profile (else calibrate, run the "
+                        "bench, and compare)")
     g.add_argument("--nproc", type=int, default=4, help="ranks for --calibrate-cpu")
     g.add_argument("--bench-nproc", type=int, default=4)
     g.add_argument("--bench-tp", type=int, default=1)
