@@ -36,8 +36,6 @@ import argparse
 import datetime
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -98,6 +96,8 @@ def get_args(argv=None) -> argparse.Namespace:
         p.error("--train-iters must be a multiple of --diloco-inner-steps (whole outer rounds)")
     if args.hidden_size % args.num_attention_heads:
         p.error("--hidden-size must be a multiple of --num-attention-heads")
+    if not 0 <= args.lr_warmup_iters < args.train_iters:
+        p.error("--lr-warmup-iters must be in [0, --train-iters)")
     return args
 
 
@@ -333,48 +333,15 @@ def report(args, results: list, world: int) -> None:
 # ============================================================================ launching
 def launch_local(args, argv) -> int:
     """Start --nproc ranks of this script (rank 0 prints to the terminal); never hangs."""
-    from megatron_muon.testing.launch import free_port
+    from megatron_muon.testing.launch import start_ranks, supervise
 
-    port = free_port()
-    threads = max(1, (os.cpu_count() or 1) // args.nproc)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-    procs = []
-    for rank in range(args.nproc):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env.setdefault("OMP_NUM_THREADS", str(threads))
-        log = None if rank == 0 else open(Path(args.out_dir) / f"isoloco_islands.rank{rank}.log",
-                                          "w")
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
-                                      env=env, stdout=log,
-                                      stderr=subprocess.STDOUT if log else None,
-                                      start_new_session=True))
-    deadline = time.monotonic() + args.timeout
-    code = 0
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [c for c in codes if c not in (None, 0)]
-            if failed:
-                code = failed[0]
-                break
-            if all(c == 0 for c in codes):
-                break
-            if time.monotonic() > deadline:
-                print(f"error: timed out after {args.timeout:.0f} s", file=sys.stderr)
-                code = 124
-                break
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        code = 130
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
+    logs = [None] + [Path(args.out_dir) / f"isoloco_islands.rank{r}.log"
+                     for r in range(1, args.nproc)]
+    procs = start_ranks([sys.executable, os.path.abspath(__file__), *argv], args.nproc, logs=logs)
+    code, _ = supervise(procs, args.timeout)
+    if code == 124:
+        print(f"error: timed out after {args.timeout:.0f} s", file=sys.stderr)
     if code == 0:
         print(f"wall time {time.perf_counter() - T_LAUNCH:.0f} s", flush=True)
     elif code not in (124, 130):

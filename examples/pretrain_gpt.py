@@ -51,8 +51,6 @@ import hashlib
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
 import sysconfig
 import time
@@ -684,44 +682,13 @@ def print_summary(args, s: dict) -> None:
 # =========================================================================== launching
 def launch_local(args, argv: list[str]) -> int:
     """No torchrun environment: start ``--nproc`` ranks of this script (a tiny torchrun)."""
-    from megatron_muon.testing.launch import free_port
+    from megatron_muon.testing.launch import start_ranks, supervise
 
     nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 4)
     check_args(args, nproc)  # fail fast, before any process starts
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    port = free_port()
-    procs = []
-    for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env.setdefault("OMP_NUM_THREADS", str(threads))
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
-                                      env=env, start_new_session=True))
-    code = 0
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [c for c in codes if c not in (None, 0)]
-            if failed:
-                code = failed[0]
-                break
-            if all(c == 0 for c in codes):
-                break
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        code = 130
-    finally:
-        for p in procs:  # one rank failed (or Ctrl-C): stop the others, they would hang
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                    p.wait(timeout=10)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    try:
-                        os.killpg(p.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                    p.wait()
+    procs = start_ranks([sys.executable, os.path.abspath(__file__), *argv], nproc, threads=threads)
+    code, _ = supervise(procs)  # a failed rank (or Ctrl-C) stops the others: they would hang
     if code == 0:
         print(f"wall time {time.perf_counter() - T_LAUNCH:.1f} s ({nproc} ranks, including "
               "process start-up and imports)", flush=True)

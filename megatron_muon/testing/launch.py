@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["run_ranks", "RankFailure", "free_port"]
+__all__ = ["run_ranks", "RankFailure", "free_port", "start_ranks", "supervise"]
 
 
 class RankFailure(RuntimeError):
@@ -44,6 +44,65 @@ def _tail(path: Path, n: int = 4000) -> str:
     return text[-n:]
 
 
+def start_ranks(cmd: list, nproc: int, *, threads: Optional[int] = None,
+                env: Optional[dict] = None, logs: Optional[list] = None) -> list:
+    """Start ``nproc`` copies of ``cmd`` with torchrun's environment variables (a tiny torchrun).
+
+    ``logs[r]`` (a path, or None for the terminal) receives rank r's output.
+    """
+    port = free_port()
+    threads = threads or max(1, (os.cpu_count() or 1) // nproc)
+    procs = []
+    for rank in range(nproc):
+        e = dict(os.environ)
+        e.update(env or {})
+        e.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                 LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        e.setdefault("OMP_NUM_THREADS", str(threads))
+        log = logs[rank] if logs else None
+        out = open(log, "w") if log else None
+        try:
+            procs.append(subprocess.Popen(cmd, env=e, stdout=out,
+                                          stderr=subprocess.STDOUT if out else None,
+                                          start_new_session=True))
+        finally:
+            if out:
+                out.close()
+    return procs
+
+
+def supervise(procs: list, timeout: Optional[float] = None) -> tuple:
+    """Wait for every rank; returns ``(code, rank)``: 0 when all succeeded, else the first
+    failing rank's exit code (124 on timeout, 130 on Ctrl-C).  Never leaves a rank behind:
+    when one fails the others would block in a collective, so they are killed."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    code, rank = 0, None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                code, rank = codes[bad[0]], bad[0]
+                break
+            if all(c == 0 for c in codes):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                code = 124
+                break
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+    return code, rank
+
+
 def run_ranks(target: str, world_size: int, kwargs: Optional[dict] = None, timeout: float = 300,
               env: Optional[dict] = None, threads_per_rank: int = 1, workdir: Optional[str] = None
               ) -> list[Any]:
@@ -55,52 +114,18 @@ def run_ranks(target: str, world_size: int, kwargs: Optional[dict] = None, timeo
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "kwargs.pt").unlink(missing_ok=True)
     torch.save(kwargs, tmp / "kwargs.pt")
-    port = free_port()
-    procs = []
-    logs = []
-    for rank in range(world_size):
-        e = dict(os.environ)
-        e.update(env or {})
-        e.update({
-            "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": str(threads_per_rank),
-        })
-        log = tmp / f"rank{rank}.log"
-        logs.append(log)
-        with open(log, "w") as fh:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "megatron_muon.testing.launch", target, str(tmp),
-                 str(timeout)],
-                env=e, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True))
-    deadline = time.monotonic() + timeout
-    failed = None
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                failed = bad[0]
-                break
-            if all(c == 0 for c in codes):
-                break
-            if time.monotonic() > deadline:
-                raise RankFailure(
-                    f"{target} on {world_size} ranks timed out after {timeout:.0f}s; "
-                    f"rank 0 log tail:\n{_tail(logs[0])}")
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
-    if failed is not None:
-        raise RankFailure(
-            f"{target}: rank {failed} exited with code {procs[failed].returncode}; log tail:\n"
-            f"{_tail(logs[failed])}")
+    logs = [tmp / f"rank{r}.log" for r in range(world_size)]
+    procs = start_ranks([sys.executable, "-m", "megatron_muon.testing.launch", target, str(tmp),
+                         str(timeout)], world_size, logs=logs,
+                        env={**(env or {}), "OMP_NUM_THREADS": str(threads_per_rank)})
+    code, failed = supervise(procs, timeout)
+    if code == 124:
+        raise RankFailure(f"{target} on {world_size} ranks timed out after {timeout:.0f}s; "
+                          f"rank 0 log tail:\n{_tail(logs[0])}")
+    if code != 0:
+        failed = 0 if failed is None else failed
+        raise RankFailure(f"{target}: rank {failed} exited with code {code}; log tail:\n"
+                          f"{_tail(logs[failed])}")
     return [torch.load(tmp / f"result{r}.pt", weights_only=False) for r in range(world_size)]
 
 
