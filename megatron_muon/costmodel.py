@@ -15,7 +15,8 @@ Who owns which unit comes from the project's own planner (``plan.plan_owners``) 
 real unit list (Megatron's fused QKV split into Q, K and V; fc1; fc2; proj; the router;
 one unit per expert), over the real ZeRO-1 layout (Megatron's buffer order and padding,
 so the locality-aware plan sees what each DP shard holds).  Megatron-Core's layer-wise
-Muon uses Megatron-Core's own assignment (params sorted by size, dealt ping-pong over DP).
+Muon uses Megatron-Core's own placement, re-implemented from its source: 0.16 deals params
+sorted by size ping-pong over DP; 0.19 packs them into a shard-aligned buffer.
 
 Modes (SPEC sections 2 and 3):
 
@@ -23,9 +24,10 @@ Modes (SPEC sections 2 and 3):
 - ``muon_naive``: ZeRO-1; every rank of the stage's DP x TP group gathers every matrix and
   runs NS on all of them (one all-to-all per bucket, as ``optimizer='muon_naive'`` does).
 - ``mcore_layerwise``: Megatron-Core's layer-wise distributed Muon, ``muon_tp_mode=
-  'duplicated'``: whole parameters dealt over DP ranks, each TP rank all-gathers its TP
-  shards and runs the same NS (duplicated on the TP ranks); gradients all-reduced (no
-  reduce-scatter); updated parameters all-gathered (uneven) inside the step.
+  'duplicated'``: whole parameters placed on DP ranks, each TP rank all-gathers its TP
+  shards and runs the same NS (duplicated on the TP ranks); 0.19 layout (default): padded
+  shard-aligned buffer, bucketed reduce-scatter / all-gather; 0.16: gradients all-reduced,
+  updated parameters all-gathered (uneven) inside the step.
 - ``dmuon``: owner-centric Muon: each unit gathered on one owner of the DP x TP group, NS
   there, pieces scattered back (two all-to-alls per bucket); experts planned in their
   expert-data-parallel group.
@@ -45,13 +47,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Optional, Sequence
 
 from .newton_schulz import ns_flops
 from .plan import OwnerPlan, UnitTask, plan_owners
-from .units import expert_units, gate_up_units, qkv_units, whole_units
+from .units import gate_up_units, qkv_units
 
 __all__ = [
     "ModelConfig", "Layout", "RunConfig", "Hardware", "Prediction", "HARDWARE", "MODELS",
@@ -879,7 +881,6 @@ def _cost_adamw(st, hw, run, mode) -> _Costs:
 def _cost_zero1_muon(st, hw, run, mode) -> _Costs:
     """muon_naive, dmuon and dmuon_overlap: Megatron's ZeRO-1 + a Muon exchange."""
     c = _Costs()
-    lay = st.layout
     cb = run.muon_comm_bytes
     shard, muon_shard = _zero1_common(st, hw, run, c)
     adam_shard = max(0.0, shard - muon_shard)
@@ -1263,6 +1264,3 @@ def sweep(model: ModelConfig, hw: Hardware, modes: Sequence[str], worlds: Sequen
             out.append(predict(model, lay, hw, m, run))
     return out
 
-
-def with_overrides(model: ModelConfig, **kw) -> ModelConfig:
-    return replace(model, **kw)

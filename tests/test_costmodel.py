@@ -4,7 +4,6 @@ No process launches: everything here is arithmetic (the model is pure).
 """
 
 import json
-import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 
 from megatron_muon import costmodel as cm
 from megatron_muon.newton_schulz import ns_flops
-from megatron_muon.plan import UnitTask, plan_owners
+from megatron_muon.plan import plan_owners
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -175,8 +174,9 @@ def test_locality_aware_plan_moves_less_than_the_even_bound():
 @pytest.mark.timeout(60)
 def test_zero1_layout_follows_megatron_buffer():
     # reverse order, 64-element start padding, bucket padded to lcm(DP, 128), DP equal shards
-    ts = [cm.StageTensor("a", (100,), None, False, False), cm.StageTensor("b", (10, 10), 0, False,
-                                                                          True, (("b#0", (10, 10)),))]
+    a = cm.StageTensor("a", (100,), None, False, False)
+    b = cm.StageTensor("b", (10, 10), 0, False, True, (("b#0", (10, 10)),))
+    ts = [a, b]
     z = cm.zero1_holdings(ts, 2, 1, cm.RunConfig())
     assert z.buckets == [(0, 256)]  # b at [0, 100), a at [128, 228) -> padded to 256
     assert z.pieces["b"] == [(0, 100)] and z.pieces["a"] == [(1, 100)]
