@@ -25,6 +25,7 @@ import torch.distributed as dist
 from .comm import CommStats, all_to_all_flat
 from .newton_schulz import muon_scale, newton_schulz
 from .plan import OwnerPlan
+from .trace import span
 from .units import Unit, unit_positions
 
 __all__ = ["Piece", "ShardedMatrix", "OwnerCentricNS"]
@@ -189,15 +190,33 @@ class OwnerCentricNS:
         n = sum(t.send_index.numel() + t.recv_pos.numel() for t in tabs)
         return 8 * (n + self.local_copy[0].numel() + self.local_copy[1].numel())
 
-    def _exchange(self, t: _Table, src: torch.Tensor, dst: torch.Tensor, kind: str) -> None:
-        """src[t.send_index] -> all_to_all -> dst[t.recv_pos]."""
-        recv, _ = all_to_all_flat(src.index_select(0, t.send_index), t.send_counts,
-                                  t.recv_counts, self.group, self.stats, kind)
+    def _start(self, t: _Table, src: torch.Tensor, kind: str, async_op: bool):
+        """src[t.send_index] -> all_to_all; returns (recv, work or None)."""
+        return all_to_all_flat(src.index_select(0, t.send_index), t.send_counts, t.recv_counts,
+                               self.group, self.stats, kind, async_op=async_op)
+
+    @staticmethod
+    def _finish(t: _Table, pending, dst: torch.Tensor) -> None:
+        """Wait for an exchange started by ``_start`` and write it to dst[t.recv_pos]."""
+        recv, work = pending
+        if work is not None:
+            work.wait()
         dst.index_copy_(0, t.recv_pos, recv)
 
-    def gather(self, local: torch.Tensor, bucket: int, owned: torch.Tensor) -> None:
-        """Pieces of this bucket's units -> their owners' unit buffers."""
-        self._exchange(self.gather_tables[bucket], local, owned, "gather")
+    def gather(self, local: torch.Tensor, bucket: int, owned: torch.Tensor,
+               async_op: bool = False):
+        """Pieces of this bucket's units -> their owners' unit buffers.
+
+        With ``async_op`` it returns a handle for ``finish_gather``.
+        """
+        pending = self._start(self.gather_tables[bucket], local, "gather", async_op)
+        if not async_op:
+            return self._finish(self.gather_tables[bucket], pending, owned)
+        return bucket, pending
+
+    def finish_gather(self, handle, owned: torch.Tensor) -> None:
+        bucket, pending = handle
+        self._finish(self.gather_tables[bucket], pending, owned)
 
     def orthogonalize(self, owned: torch.Tensor) -> torch.Tensor:
         """Batched NS (times the Muon scale) on this rank's units, one batch per shape."""
@@ -210,22 +229,37 @@ class OwnerCentricNS:
             out[off: off + count * m * n].view(count, m, n).copy_(o).mul_(scale)
         return out
 
-    def scatter(self, result: torch.Tensor, bucket: int, local_out: torch.Tensor) -> None:
-        """Owners' results -> every holder's pieces of this bucket."""
-        self._exchange(self.scatter_tables[bucket], result, local_out, "scatter")
+    def scatter(self, result: torch.Tensor, bucket: int, local_out: torch.Tensor,
+                async_op: bool = False):
+        """Owners' results -> every holder's pieces of this bucket (handle if ``async_op``)."""
+        pending = self._start(self.scatter_tables[bucket], result, "scatter", async_op)
+        if not async_op:
+            return self._finish(self.scatter_tables[bucket], pending, local_out)
+        return bucket, pending
+
+    def finish_scatter(self, handle, local_out: torch.Tensor) -> None:
+        bucket, pending = handle
+        self._finish(self.scatter_tables[bucket], pending, local_out)
+
+    def keep_local(self, result: torch.Tensor, out: torch.Tensor) -> None:
+        """Naive mode: every rank computed every unit; keep this rank's pieces."""
+        out.index_copy_(0, self.local_copy[1], result.index_select(0, self.local_copy[0]))
 
     def run(self, local: torch.Tensor) -> torch.Tensor:
         """``local``: this rank's flat momentum-updated pieces -> its flat scaled NS pieces."""
         if local.numel() != self.local_numel:
             raise ValueError(f"flat buffer has {local.numel()} elements, expected {self.local_numel}")
         owned = torch.zeros(self.owned_numel, dtype=torch.float32, device=local.device)
-        for b in self.gather_tables:
-            self.gather(local, b, owned)
-        result = self.orthogonalize(owned)
+        with span("dmuon.gather"):
+            for b in self.gather_tables:
+                self.gather(local, b, owned)
+        with span("dmuon.ns"):
+            result = self.orthogonalize(owned)
         out = torch.zeros_like(local)
-        if self.replicate:
-            out.index_copy_(0, self.local_copy[1], result.index_select(0, self.local_copy[0]))
-        else:
-            for b in self.scatter_tables:
-                self.scatter(result, b, out)
+        with span("dmuon.scatter"):
+            if self.replicate:
+                self.keep_local(result, out)
+            else:
+                for b in self.scatter_tables:
+                    self.scatter(result, b, out)
         return out

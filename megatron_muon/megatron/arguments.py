@@ -117,6 +117,22 @@ def _dmuon_arguments():
          dict(action="store_true", help="Raise a clear error if a Muon gradient is NaN/Inf.")),
         ("dmuon_placement", "--dmuon-placement",
          dict(type=str, choices=placements, help="Which ranks own the Muon units.")),
+        ("dmuon_overlap", "--no-dmuon-overlap",
+         dict(action="store_false", help="Run DMuon's owner work (gather, Newton-Schulz, "
+              "scatter) inside optimizer.step() instead of speculatively at the end of each "
+              "stage's backward pass (the speculation is exact: redone when clipping changed "
+              "the gradients).")),
+        ("dmuon_overlap_bucket_gather", "--no-dmuon-overlap-bucket-gather",
+         dict(action="store_false", help="Do not start a bucket's gather to the owners "
+              "during the backward pass, right after its gradient reduce-scatter.")),
+        ("dmuon_overlap_param_update", "--no-dmuon-overlap-param-update",
+         dict(action="store_false", help="Wait for DMuon's scatters and apply the update in "
+              "optimizer.step() instead of just before each bucket's param all-gather "
+              "(under the next forward pass with --overlap-param-gather).")),
+        ("dmuon_trace_dir", "--dmuon-trace-dir",
+         dict(type=str, metavar="DIR", help="Write a per-rank Chrome trace "
+              "(trace_rank<R>.json, Perfetto) of forward/backward, grad reduce-scatter, DMuon "
+              "gather/Newton-Schulz/scatter, param all-gather and optimizer step.")),
     ]
 
 
@@ -125,7 +141,9 @@ MUON_ARGUMENTS = ("muon_momentum", "muon_nesterov", "muon_num_ns_steps",
                   "muon_fp32_matmul_prec", "muon_split_qkv")
 DMUON_ARGUMENTS = ("dmuon_split_fc1", "dmuon_adam_params", "dmuon_plan_cost",
                    "dmuon_tuner_cache", "dmuon_ns_backend", "dmuon_locality_slack",
-                   "dmuon_log_plan", "dmuon_check_finite", "dmuon_placement")
+                   "dmuon_log_plan", "dmuon_check_finite", "dmuon_placement", "dmuon_overlap",
+                   "dmuon_overlap_bucket_gather", "dmuon_overlap_param_update",
+                   "dmuon_trace_dir")
 
 
 def _existing(parser: argparse.ArgumentParser, dest: str, option: str):

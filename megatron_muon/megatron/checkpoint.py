@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-__all__ = ["save_checkpoint", "load_checkpoint", "SHARDING_TYPE"]
+__all__ = ["save_checkpoint", "load_checkpoint", "sync_params", "SHARDING_TYPE"]
 
 SHARDING_TYPE = "fully_sharded_model_space"
 
@@ -41,11 +41,22 @@ def _sharded_state(model, optimizer, scheduler, step: int, is_loading: bool) -> 
     return state
 
 
+def sync_params(model: list) -> None:
+    """Make the model parameters final: with ``overlap_param_gather`` (and DMuon's deferred
+    updates) they are only all-gathered under the next forward pass.  Megatron-LM does the
+    same (``disable_forward_pre_hook``) before it saves or evaluates."""
+    for chunk in model:
+        ddp = getattr(chunk, "ddp_config", None)
+        if ddp is not None and ddp.use_distributed_optimizer and ddp.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
+
+
 def save_checkpoint(directory: str, model: list, optimizer, step: int, scheduler=None) -> str:
     """Write ``directory/iter_{step:07d}`` and a ``latest`` pointer; returns the path."""
     from megatron.core import dist_checkpointing
 
     path = os.path.join(directory, f"iter_{step:07d}")
+    sync_params(model)
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()

@@ -60,6 +60,22 @@ class DMuonOptimizerConfig(OptimizerConfig):
     """Raise a clear error if a Muon gradient is NaN/Inf (costs one reduction per step)."""
     dmuon_placement: str = "dmuon"
 
+    # --- DMuon overlap (SPEC section 2, "Overlap"); exact: a bitwise check decides ---
+    dmuon_overlap: bool = True
+    """Run the owner work (gather, NS, scatter launch) speculatively at the end of each
+    stage's backward pass (inside the pipeline cool-down) instead of in optimizer.step();
+    the step uses it only if its gradients are bit-identical (no clipping), else redoes it."""
+    dmuon_overlap_bucket_gather: bool = True
+    """With dmuon_overlap: start each bucket's gather to the owners as soon as that bucket's
+    gradient reduce-scatter is done, while the backward pass goes on."""
+    dmuon_overlap_param_update: bool = True
+    """With dmuon_overlap: optimizer.step() does not wait for the scatters; each bucket's
+    scatter and update finish just before its param all-gather (under the next forward
+    pass with Megatron's overlap_param_gather)."""
+    dmuon_trace_dir: Optional[str] = None
+    """Write a per-rank Chrome trace (trace_rank<R>.json, Perfetto) of forward/backward,
+    grad reduce-scatter, DMuon gather/NS/scatter, param gather and optimizer step."""
+
     def __post_init__(self):
         if "muon_use_nesterov" in _BASE_FIELDS and getattr(self, "muon_use_nesterov", False):
             self.muon_nesterov = True  # 0.16.1 spelling
@@ -81,6 +97,8 @@ class DMuonOptimizerConfig(OptimizerConfig):
                              f"got {self.dmuon_ns_backend!r}")
         if self.dmuon_placement not in PLACEMENTS:
             raise ValueError(f"dmuon_placement must be one of {PLACEMENTS}, got {self.dmuon_placement!r}")
+        if not self.dmuon_overlap:  # the refinements need the speculative owner work
+            self.dmuon_overlap_bucket_gather = self.dmuon_overlap_param_update = False
         if self.optimizer in MUON_OPTIMIZERS and not self.use_distributed_optimizer:
             raise ValueError(
                 f"optimizer={self.optimizer!r} is a distributed optimizer: set "

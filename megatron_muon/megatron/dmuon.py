@@ -203,6 +203,7 @@ class ShardedMuonStep(torch.optim.Optimizer):
                 off += p.numel()
         self.numel = off
         self.engine: OwnerCentricNS = engine_factory(self.offsets)
+        self.overlap = None  # a DMuonOverlap, installed by the DMuon optimizer
         for group in self.param_groups:
             group.setdefault("step", 0)
 
@@ -215,6 +216,8 @@ class ShardedMuonStep(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self.overlap is not None:
+            self.overlap.flush_all()  # a deferred update that no param all-gather took yet
         self.init_state()
         flat = torch.zeros(self.numel, dtype=torch.float32, device=self.engine.device)
         mu = self.momentum
@@ -229,12 +232,21 @@ class ShardedMuonStep(torch.optim.Optimizer):
             raise FloatingPointError(
                 "DMuon: non-finite (NaN/Inf) Muon gradient or momentum; with fp16 use a loss "
                 "scaler, otherwise check the data and the learning rate")
-        out = self.engine.run(flat)
+        lr_wd = {p: (g["lr"], g["weight_decay"]) for g in self.param_groups for p in g["params"]}
+        out = self.overlap.take(flat, lr_wd) if self.overlap is not None else None
+        if out is not None and out.numel() == 0:
+            return  # deferred: each bucket's update lands before its param all-gather
+        if out is None:
+            out = self.engine.run(flat)
         for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
             for p in group["params"]:
                 o = out[self.offsets[p]: self.offsets[p] + p.numel()].view_as(p)
-                p.mul_(1.0 - lr * wd).add_(o, alpha=-lr)
+                self.apply_update(p, o, group["lr"], group["weight_decay"])
+
+    @staticmethod
+    def apply_update(p: torch.Tensor, o: torch.Tensor, lr: float, wd: float) -> None:
+        """W <- W (1 - lr wd) - lr O (O already carries the Muon scale)."""
+        p.mul_(1.0 - lr * wd).add_(o, alpha=-lr)
 
 
 class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
@@ -263,6 +275,16 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
             groups, self._build_engine, momentum=muon_config.muon_momentum,
             nesterov=muon_config.muon_nesterov, check_finite=muon_config.dmuon_check_finite)
         self.init_state_fn = lambda opt, config=None: opt.init_state()
+        if muon_config.dmuon_overlap:
+            from .overlap import DMuonOverlap
+
+            ddp = self.ddp_config
+            param_update = muon_config.dmuon_overlap_param_update and not (
+                getattr(ddp, "fp8_param_gather", False) or getattr(ddp, "use_megatron_fsdp", False)
+                or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+            self.optimizer.overlap = DMuonOverlap(
+                self, bucket_gather=muon_config.dmuon_overlap_bucket_gather,
+                param_update=param_update)
 
     # -- geometry ---------------------------------------------------------------------
     def _build_engine(self, offsets: dict) -> OwnerCentricNS:
@@ -288,7 +310,9 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
         bucket_of = {}
         for bi, buffer in enumerate(self.buffers):
             for p, (_, _, bucket_id) in buffer.param_index_map.items():
-                bucket_of[p] = bi * 100_000 + bucket_id
+                if p in self._managed:
+                    bucket_of[p] = bi * 100_000 + bucket_id
+        self.engine_bucket_of = bucket_of
 
         mine = []
         for p in muon_params:
@@ -355,6 +379,23 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
             replicate=self.replicate, ns_fn=compat.ns_function(cfg),
             local_numel=sum(p.numel() for p in offsets))
 
+    @torch.no_grad()
+    def publish_param(self, model_param, main_param) -> None:
+        """Megatron's main -> param-buffer copy (``_copy_main_params_to_model_params``), one param."""
+        world_range = self._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
+        gbuf_index, _, bucket_id = self.model_param_gbuf_map[model_param]
+        buf = self.buffers[gbuf_index].buckets[bucket_id].param_data
+        buf.view(-1)[world_range.start: world_range.end].copy_(main_param)
+
+    def finish_deferred(self) -> None:
+        """Apply any DMuon update still waiting for its bucket's param all-gather."""
+        if not self.is_stub_optimizer and self.optimizer.overlap is not None:
+            self.optimizer.overlap.flush_all()
+
+    def sharded_state_dict(self, *args, **kwargs):
+        self.finish_deferred()
+        return super().sharded_state_dict(*args, **kwargs)
+
     def _unit_cost(self):
         cfg = self.muon_config
         if cfg.dmuon_plan_cost == "tuner":
@@ -381,6 +422,7 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
 
     def load_state_dict(self, state_dict):
         """Non-parameter state (groups, step, grad scaler) plus the sharded param state."""
+        self.finish_deferred()
         state_dict, param_state = self._split_param_state(state_dict)
         if self.is_stub_optimizer:
             return
@@ -409,11 +451,13 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
         eng = self.optimizer.engine
         state_bytes = sum(st["momentum_buffer"].numel() * 4 for st in self.optimizer.state.values()
                           if "momentum_buffer" in st)
+        overlap = self.optimizer.overlap
         return dict(comm=eng.stats.as_dict(), plan_imbalance=self.plan.imbalance,
                     plan_digest=self.plan.digest, owned_numel=eng.owned_numel,
                     shard_numel=self.optimizer.numel, state_bytes=state_bytes,
                     index_bytes=eng.index_bytes(),
-                    muon_numel=sum(m.shape[0] * m.shape[1] for m in eng.matrices))
+                    muon_numel=sum(m.shape[0] * m.shape[1] for m in eng.matrices),
+                    overlap=overlap.stats.as_dict() if overlap is not None else None)
 
 
 # ---------------------------------------------------------------------- factory
@@ -476,4 +520,12 @@ def build_dmuon_optimizer(config, model_chunks, config_overrides=None,
                 dst.append(opt)
     for opt in muon_opts:
         opt.publish_params = False
-    return ChainedOptimizer(muon_opts + adam_opts)
+    chained = ChainedOptimizer(muon_opts + adam_opts)
+    if config.dmuon_trace_dir:
+        import atexit
+
+        from .tracing import enable_tracing, save_trace
+
+        enable_tracing(model_chunks, chained)
+        atexit.register(save_trace, config.dmuon_trace_dir)
+    return chained

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from .gpt import TinyGPTConfig, build_gpt, full_named_params, init_parallel, layout_ranks, train_step
 
-__all__ = ["train_megatron", "make_optimizer_config", "constant_scheduler"]
+__all__ = ["train_megatron", "train_variants", "make_optimizer_config", "constant_scheduler"]
 
 
 def constant_scheduler(optimizer, ocfg):
@@ -44,15 +44,18 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
                    optimizer: str = "adam", opt: Optional[dict] = None, steps: int = 3,
                    ddp: Optional[dict] = None, return_params: bool = True,
                    checkpoint: Optional[dict] = None, inf_at_step: Optional[int] = None,
-                   params_each_step: bool = False) -> dict:
+                   params_each_step: bool = False, clip_at_steps: tuple = (),
+                   trace_dir: Optional[str] = None) -> dict:
     """Train the tiny GPT for ``steps`` steps; return losses and (TP-gathered) parameters.
 
     ``inf_at_step`` writes an Inf into every rank's reduced gradient buffer at that step
     (the optimizer must detect it and skip the step); ``params_each_step`` also returns the
-    parameters after every step.
+    parameters after every step; ``clip_at_steps`` sets a tiny ``clip_grad`` (1e-4) in
+    those steps so that clipping certainly happens; ``trace_dir`` writes Chrome traces.
     """
     from megatron.core.distributed import DistributedDataParallelConfig
 
+    from megatron_muon.megatron.checkpoint import sync_params
     from megatron_muon.megatron.factory import get_megatron_optimizer
 
     gcfg = TinyGPTConfig(**cfg)
@@ -64,6 +67,10 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
     ocfg = make_optimizer_config(optimizer, **{"bf16": gcfg.bf16, "fp16": gcfg.fp16, **(opt or {})})
     optim = get_megatron_optimizer(ocfg, model)
     sched = constant_scheduler(optim, ocfg)
+    if trace_dir:
+        from megatron_muon.megatron.tracing import enable_tracing
+
+        enable_tracing(model, optim)
     lr = layout_ranks()
     losses, norms = [], []
     start = 0
@@ -72,27 +79,47 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
 
         start = load_checkpoint(checkpoint["load"], model, optim, sched)
     history, updated = [], []
+    base_clip = ocfg.clip_grad
     for step in range(start, steps):
         sched.step(1)
+        for sub in {id(o): o for o in [optim, *getattr(optim, "chained_optimizers", [])]}.values():
+            sub.config.clip_grad = 1e-4 if step in clip_at_steps else base_clip
         out = train_step(model, optim, gcfg, step, lr["dp"], lr["dp_size"],
                          grad_hook=_poison_grads(model) if step == inf_at_step else None)
         losses.append(out.get("loss"))
         norms.append(out.get("grad_norm"))
         updated.append(out.get("update_successful"))
         if params_each_step:
+            sync_params(model)
             history.append(full_named_params(model))
         if checkpoint and checkpoint.get("save") and step + 1 == checkpoint.get("save_at"):
             from megatron_muon.megatron.checkpoint import save_checkpoint
 
             save_checkpoint(checkpoint["save"], model, optim, step + 1, sched)
+    if trace_dir:
+        from megatron_muon.megatron.tracing import save_trace
+
+        save_trace(trace_dir)
     result = dict(layout=lr, losses=losses, grad_norms=norms, rank=dist.get_rank(),
                   updated=updated, history=history)
     if return_params:
+        sync_params(model)
         result["params"] = full_named_params(model)
     for sub in getattr(optim, "chained_optimizers", [optim]):
         if hasattr(sub, "dmuon_stats"):
             result["dmuon_stats"] = sub.dmuon_stats()
     return result
+
+
+def train_variants(variants: list, **common) -> list:
+    """``train_megatron(**common, **v)`` for each v, in one process (saves a launch each)."""
+    out = []
+    for v in variants:
+        kw = dict(common)
+        for k, val in v.items():
+            kw[k] = {**kw.get(k, {}), **val} if isinstance(val, dict) else val
+        out.append(train_megatron(**kw))
+    return out
 
 
 def stall(seconds: float = 60.0) -> None:

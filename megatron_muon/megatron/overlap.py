@@ -1,0 +1,299 @@
+"""DMuon overlap: speculative owner work during the backward pass (SPEC section 2, "Overlap").
+
+Megatron's optimizer step needs the global gradient norm (clipping) and found-inf (fp16),
+known only once every pipeline stage has finished.  DMuon does not wait for them:
+
+* each DDP bucket group's grad reduce-scatter is followed, as soon as the next bucket
+  group starts its own (``bucket_gather``), by the momentum update of that bucket's shard
+  (on a copy: nothing is committed) and an asynchronous all-to-all to the units' owners;
+* at the end of the stage's backward (``finish_grad_sync``, which Megatron calls in
+  ``finalize_model_grads`` *before* any cross-stage collective, so inside the 1F1B
+  cool-down) the owners wait for their pieces, run batched NS and start the scatters;
+* with ``param_update`` the step does not wait for the scatters: each DDP bucket group's
+  scatter is finished, and its parameters updated and copied to the param buffer, just
+  before that bucket group's param all-gather (``start_param_sync``): under the next
+  forward pass with Megatron's ``overlap_param_gather``, else at the end of the step;
+* ``optimizer.step()`` recomputes the momentum update from the final (unscaled, maybe
+  clipped) main grads exactly as the non-overlapped step does, compares it bit for bit
+  with the speculative input, and all ranks of the stage agree (one MIN all-reduce) to use
+  the speculative result or to redo the owner work.  A clipped or otherwise modified
+  gradient therefore always gets the non-overlapped result; a skipped (found-inf) step
+  simply drops the speculation.
+
+Exactness does not rest on any assumption about Megatron: only the bitwise check decides.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..muon import momentum_update
+from ..trace import span
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DMuonOverlap", "OverlapStats"]
+
+
+@dataclass
+class OverlapStats:
+    speculated: int = 0  # steps whose owner work ran during the backward pass
+    used: int = 0  # optimizer steps that used the speculative result
+    redone: int = 0  # optimizer steps whose gradients differed (clipping, ...): redo
+    dropped: int = 0  # speculations never consumed (found-inf skipped the step, ...)
+
+    def as_dict(self) -> dict:
+        return dict(speculated=self.speculated, used=self.used, redone=self.redone,
+                    dropped=self.dropped)
+
+
+@dataclass
+class _Entry:
+    model_param: torch.Tensor
+    main_param: torch.Tensor
+    start: int
+    end: int
+    offset: int
+
+
+@dataclass
+class _Group:
+    bucket_group: object
+    engine_buckets: list
+    entries: list
+
+
+@dataclass
+class _Speculation:
+    flat: torch.Tensor
+    owned: torch.Tensor
+    gathers: list = field(default_factory=list)
+    scatters: dict = field(default_factory=dict)  # engine bucket -> handle
+    out: Optional[torch.Tensor] = None
+    complete: bool = False
+
+    def drain(self, engine) -> None:
+        """Wait for every exchange still in flight (results are thrown away)."""
+        for h in self.gathers:
+            engine.finish_gather(h, self.owned)
+        self.gathers = []
+        self.finish_scatters(engine, list(self.scatters))
+
+    def finish_scatters(self, engine, buckets) -> None:
+        for b in buckets:
+            h = self.scatters.pop(b, None)
+            if h is not None:
+                engine.finish_scatter(h, self.out)
+
+
+@dataclass
+class _Deferred:
+    """A used speculation whose scatters and updates finish bucket group by bucket group."""
+
+    spec: _Speculation
+    lr_wd: dict  # main param -> (lr, weight decay) of this step
+    done: set = field(default_factory=set)
+
+
+class DMuonOverlap:
+    """Hooks one ``DMuonDistributedOptimizer`` into its DDP chunks' grad-sync calls."""
+
+    def __init__(self, opt, bucket_gather: bool = True, param_update: bool = True):
+        self.opt = opt
+        self.param_update = param_update
+        self.deferred: Optional[_Deferred] = None
+        self.step_opt = opt.optimizer  # ShardedMuonStep
+        self.engine = self.step_opt.engine
+        self.bucket_gather = bucket_gather
+        self.stats = OverlapStats()
+        self.spec: Optional[_Speculation] = None
+        self.groups = self._bucket_groups()
+        self.started: set = set()
+        self.next = 0
+        self.finished_chunks: set = set()
+        self._install()
+
+    # -- geometry -------------------------------------------------------------------
+    def _bucket_groups(self) -> list:
+        opt, step = self.opt, self.step_opt
+        engine_bucket = opt.engine_bucket_of
+        groups, covered = [], set()
+        for chunk in opt.model_chunks:
+            for bg in list(chunk.bucket_groups) + list(chunk.expert_parallel_bucket_groups):
+                params = [p for p in bg.params if p in opt.model_param_gbuf_map]
+                keys = sorted({engine_bucket[p] for p in bg.params if p in engine_bucket})
+                if not keys:
+                    continue
+                entries = []
+                for p in sorted(params, key=lambda q: step.offsets[self._main(q)]):
+                    r = opt._get_model_param_range_map(p)["param"]
+                    entries.append(_Entry(p, self._main(p), r.start, r.end,
+                                          step.offsets[self._main(p)]))
+                groups.append(_Group(bg, keys, entries))
+                covered.update(keys)
+        missing = set(self.engine.gather_tables) - covered
+        if missing:
+            raise RuntimeError(f"DMuon overlap: engine buckets {sorted(missing)} belong to no "
+                               "DDP bucket group")
+        return groups
+
+    def _main(self, model_param):
+        gi, go = self.opt.model_param_group_index_map[model_param]
+        return self.step_opt.param_groups[gi]["params"][go]
+
+    # -- hooks ----------------------------------------------------------------------
+    def _install(self) -> None:
+        for i, g in enumerate(self.groups):
+            self._wrap(g.bucket_group, "start_grad_sync", lambda i=i: self._on_start(i))
+            if self.param_update:
+                self._wrap(g.bucket_group, "start_param_sync", lambda i=i: self.flush(i),
+                           before=True)
+        chunks = list(self.opt.model_chunks)
+        for chunk in chunks:
+            self._wrap(chunk, "finish_grad_sync", lambda c=chunk, n=len(chunks): self._on_finish(c, n))
+
+    @staticmethod
+    def _wrap(obj, name: str, hook, before: bool = False) -> None:
+        inner = getattr(obj, name)
+
+        def wrapped(*args, **kwargs):
+            if before:
+                hook()
+            result = inner(*args, **kwargs)
+            if not before:
+                hook()
+            return result
+
+        setattr(obj, name, wrapped)
+
+    def _on_start(self, i: int) -> None:
+        self.started.add(i)
+        if not self.bucket_gather:
+            return
+        # Launch, in a fixed order, every earlier bucket group whose reduce-scatter was
+        # started: the order of collectives is then identical on every rank.
+        while self.next < len(self.groups) and self.next in self.started and self.next != i:
+            self._process(self.next)
+            self.next += 1
+
+    def _on_finish(self, chunk, n_chunks: int) -> None:
+        self.finished_chunks.add(id(chunk))
+        if len(self.finished_chunks) < n_chunks:
+            return
+        while self.next < len(self.groups):
+            self._process(self.next)
+            self.next += 1
+        self._finish_backward()
+        self.started, self.next, self.finished_chunks = set(), 0, set()
+
+    # -- speculative work -------------------------------------------------------------
+    def _begin(self) -> _Speculation:
+        if self.spec is not None:  # never consumed (skipped step, or no optimizer.step())
+            self.spec.drain(self.engine)
+            self.stats.dropped += 1
+        dev = self.engine.device
+        self.spec = _Speculation(
+            flat=torch.zeros(self.step_opt.numel, dtype=torch.float32, device=dev),
+            owned=torch.zeros(self.engine.owned_numel, dtype=torch.float32, device=dev))
+        return self.spec
+
+    @torch.no_grad()
+    def _process(self, i: int) -> None:
+        """Bucket group i's gradients are reduced: momentum on copies, gather to owners."""
+        spec = self.spec if i > 0 and self.spec is not None and not self.spec.complete \
+            else self._begin()
+        g = self.groups[i]
+        with span("dmuon.speculate", bucket_group=i):
+            handle = g.bucket_group.grad_reduce_handle
+            if handle is not None:
+                handle.wait()  # Megatron waits again (a no-op) in finish_grad_sync
+            step = self.step_opt
+            step.init_state()
+            scaler = self.opt.grad_scaler
+            for e in g.entries:
+                grad = e.model_param.main_grad.view(-1)[e.start: e.end].float().clone()
+                if scaler is not None:  # the unscale Megatron applies in prepare_grads
+                    found = torch.zeros(1, dtype=torch.float32, device=grad.device)
+                    torch._amp_foreach_non_finite_check_and_unscale_([grad], found,
+                                                                      scaler.inv_scale)
+                buf = step.state[e.main_param]["momentum_buffer"].clone()
+                u = momentum_update(buf, grad.view_as(e.main_param), step.momentum, step.nesterov)
+                spec.flat[e.offset: e.offset + u.numel()].copy_(u.view(-1))
+            for b in g.engine_buckets:
+                spec.gathers.append(self.engine.gather(spec.flat, b, spec.owned, async_op=True))
+
+    @torch.no_grad()
+    def _finish_backward(self) -> None:
+        spec, eng = self.spec, self.engine
+        with span("dmuon.gather_wait"):
+            for h in spec.gathers:
+                eng.finish_gather(h, spec.owned)
+            spec.gathers = []
+        with span("dmuon.ns"):
+            result = eng.orthogonalize(spec.owned)
+        spec.out = torch.zeros_like(spec.flat)
+        with span("dmuon.scatter_launch"):
+            if eng.replicate:
+                eng.keep_local(result, spec.out)
+            else:
+                spec.scatters = {b: eng.scatter(result, b, spec.out, async_op=True)
+                                 for b in eng.scatter_tables}
+        spec.complete = True
+        self.stats.speculated += 1
+
+    @torch.no_grad()
+    def take(self, flat: torch.Tensor, lr_wd: dict) -> Optional[torch.Tensor]:
+        """The speculative NS output if it was computed from exactly ``flat`` on every rank.
+
+        With ``param_update`` a used speculation is kept as deferred work (``flush``) and
+        the method returns an empty tensor: the caller must not apply the update itself.
+        """
+        spec, self.spec = self.spec, None
+        ok = spec is not None and spec.complete and torch.equal(flat, spec.flat)
+        agree = torch.tensor([1 if ok else 0], dtype=torch.int32, device=flat.device)
+        if self.engine.group is not None and self.engine.world > 1:
+            dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=self.engine.group)
+        if spec is None:
+            return None
+        if int(agree.item()) == 1:
+            self.stats.used += 1
+            if self.param_update:
+                self.deferred = _Deferred(spec, lr_wd)
+                return flat.new_empty(0)
+            with span("dmuon.scatter_wait"):
+                spec.drain(self.engine)
+            return spec.out
+        spec.drain(self.engine)
+        if spec.complete:
+            self.stats.redone += 1
+        else:
+            self.stats.dropped += 1
+        return None
+
+    @torch.no_grad()
+    def flush(self, i: int) -> None:
+        """Finish bucket group i's deferred scatter and update (before its param all-gather)."""
+        d = self.deferred
+        if d is None or i in d.done:
+            return
+        g = self.groups[i]
+        with span("dmuon.scatter_wait_update", bucket_group=i):
+            d.spec.finish_scatters(self.engine, g.engine_buckets)
+            for e in g.entries:
+                lr, wd = d.lr_wd[e.main_param]
+                o = d.spec.out[e.offset: e.offset + e.main_param.numel()].view_as(e.main_param)
+                self.step_opt.apply_update(e.main_param, o, lr, wd)
+                self.opt.publish_param(e.model_param, e.main_param)
+        d.done.add(i)
+        if len(d.done) == len(self.groups):
+            self.deferred = None
+
+    def flush_all(self) -> None:
+        """Finish every deferred update (before a checkpoint, another step, ...)."""
+        for i in range(len(self.groups)):
+            self.flush(i)

@@ -1,0 +1,106 @@
+"""DMuon overlap (speculative owner work during the backward pass) against the plain step.
+
+Each layout trains the same fp16 GPT twice in one launch: DMuon with the overlap off, and
+with it on (Megatron's overlap_grad_reduce, small buckets so that gathers start while the
+backward pass runs).  Step 1 forces clipping (tiny clip_grad: the speculation must be
+redone), step 3 injects an Inf (found-inf: the step is skipped, the speculation dropped).
+"""
+
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+
+from megatron_muon.megatron.params import is_muon_matrix
+from megatron_muon.testing.launch import run_ranks
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+OPT = dict(muon_fp32_matmul_prec="highest", muon_nesterov=True, lr=2e-3, adam_eps=1e-5,
+           initial_loss_scale=1024.0)
+LAYOUTS = {"dp2": (1, 2, 2), "pp2": (2, 2, 4), "pp2dp2": (2, 4, 2)}  # pp, world, microbatches
+STEPS, CLIP_AT, INF_AT = 5, (1,), 3
+
+
+def run_pair(layout, trace_dir=None):
+    pp, world, m = LAYOUTS[layout]
+    off = dict(opt={"dmuon_overlap": False})
+    on = dict(opt={"dmuon_overlap": True}, trace_dir=trace_dir)
+    return run_ranks("megatron_muon.testing.workers:train_variants", world,
+                     dict(variants=[off, on], cfg={"num_microbatches": m, "fp16": True}, pp=pp,
+                          optimizer="dmuon", opt=OPT, steps=STEPS, clip_at_steps=CLIP_AT,
+                          inf_at_step=INF_AT, params_each_step=trace_dir is None,
+                          ddp=dict(overlap_grad_reduce=True, overlap_param_gather=True,
+                                   bucket_size=3000)),
+                     timeout=420)
+
+
+def merged(results, which, step=None):
+    full = {}
+    for r in results:
+        res = r[which]
+        if res["layout"]["dp"] == 0 and res["layout"]["tp"] == 0:
+            full.update(res["history"][step] if step is not None else res["params"])
+    return full
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_overlapped_dmuon_equals_plain_dmuon(layout, tmp_path):
+    trace_dir = str(tmp_path) if layout == "pp2dp2" else None
+    results = run_pair(layout, trace_dir)
+    for r in results:
+        off, on = r
+        assert off["updated"] == on["updated"]
+        assert on["updated"][INF_AT] is False and all(
+            u for i, u in enumerate(on["updated"]) if i != INF_AT)
+        ov = on["dmuon_stats"]["overlap"]
+        # every step speculated; the clipped step redid the work, the Inf step dropped it
+        assert ov == dict(speculated=STEPS, used=STEPS - 2, redone=1, dropped=1), ov
+        assert off["dmuon_stats"]["overlap"] is None
+    # Per step, except with the trace: reading the parameters after every step forces the
+    # param all-gather there, and the trace must show the deferred updates in the forward.
+    steps = range(STEPS) if trace_dir is None else [None]
+    for step in steps:
+        a, b = merged(results, 0, step), merged(results, 1, step)
+        worst = max((a[n] - b[n]).abs().max().item() for n in a)
+        assert worst <= 1e-6, (step, worst)
+    if trace_dir is None:
+        first, last = merged(results, 1, 0), merged(results, 1, STEPS - 1)
+        moved = max((last[n] - first[n]).abs().max().item() for n in last
+                    if is_muon_matrix(n, last[n]))
+        assert moved > 1e-3
+    if trace_dir:
+        check_trace(trace_dir, world=LAYOUTS[layout][1])
+
+
+def check_trace(trace_dir, world):
+    files = sorted(os.listdir(trace_dir))
+    assert files == [f"trace_rank{r}.json" for r in range(world)], files
+    for f in files:
+        events = json.load(open(os.path.join(trace_dir, f)))["traceEvents"]
+        names = {e["name"] for e in events}
+        for need in ("forward", "backward", "grad.reduce_scatter_launch", "dmuon.speculate",
+                     "dmuon.ns", "dmuon.scatter_wait_update", "param.gather_launch",
+                     "optimizer.step"):
+            assert need in names, (f, need)
+        # the deferred scatters and updates land inside the next step's forward pass
+        fwd = [e for e in events if e["name"] == "forward"]
+        upd = [e for e in events if e["name"] == "dmuon.scatter_wait_update"]
+        assert any(b["ts"] <= u["ts"] and u["ts"] + u["dur"] <= b["ts"] + b["dur"]
+                   for u in upd for b in fwd), f
+        # On the first stage (ranks 0, 1: several Muon buckets), in every step but the first
+        # (Megatron's first batch launches its reduce-scatters only after the backward
+        # pass), some bucket's gather started inside a backward microbatch.
+        if f not in ("trace_rank0.json", "trace_rank1.json"):
+            continue
+        steps = sorted((e for e in events if e["name"] == "optimizer.step"), key=lambda e: e["ts"])
+        bwd = [e for e in events if e["name"] == "backward"]
+        spec = [e for e in events if e["name"] == "dmuon.speculate"]
+        lo = 0.0
+        for st in steps:
+            inside = [s for s in spec for b in bwd if lo <= b["ts"] <= s["ts"]
+                      and s["ts"] + s["dur"] <= b["ts"] + b["dur"] <= st["ts"]]
+            assert inside or lo == 0.0, (f, st["ts"])
+            lo = st["ts"]
