@@ -46,6 +46,7 @@ step time split into forward-backward and optimizer step, taken as the max over 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import hashlib
 import json
@@ -432,7 +433,15 @@ def build_model(args) -> list:
         grad_reduce_in_fp32=True, use_distributed_optimizer=True,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather)
-    model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]
+    placement = contextlib.nullcontext()
+    if getattr(args, "dmuon_placement", "dmuon") == "matrix":  # MatrixFSDP buffers
+        from megatron_muon.megatron.matrix_placement import matrix_placement
+        from megatron_muon.megatron.params import is_muon_matrix
+
+        placement = matrix_placement(
+            lambda n, p: is_muon_matrix(n, p, getattr(args, "dmuon_adam_params", None)))
+    with placement:
+        model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]
     wire_ddp_hooks(config, model, ddp_config)  # what Megatron-LM's training loop sets up
     return model
 

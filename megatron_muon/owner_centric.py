@@ -190,33 +190,29 @@ class OwnerCentricNS:
         n = sum(t.send_index.numel() + t.recv_pos.numel() for t in tabs)
         return 8 * (n + self.local_copy[0].numel() + self.local_copy[1].numel())
 
-    def _start(self, t: _Table, src: torch.Tensor, kind: str, async_op: bool):
-        """src[t.send_index] -> all_to_all; returns (recv, work or None)."""
-        return all_to_all_flat(src.index_select(0, t.send_index), t.send_counts, t.recv_counts,
-                               self.group, self.stats, kind, async_op=async_op)
+    def _exchange(self, t: _Table, src: torch.Tensor, dst: torch.Tensor, kind: str,
+                  async_op: bool):
+        """src[t.send_index] -> all_to_all -> dst[t.recv_pos]; a handle for ``finish`` if async."""
+        recv, work = all_to_all_flat(src.index_select(0, t.send_index), t.send_counts,
+                                     t.recv_counts, self.group, self.stats, kind,
+                                     async_op=async_op)
+        handle = (t, recv, work)
+        if async_op:
+            return handle
+        self.finish(handle, dst)
 
     @staticmethod
-    def _finish(t: _Table, pending, dst: torch.Tensor) -> None:
-        """Wait for an exchange started by ``_start`` and write it to dst[t.recv_pos]."""
-        recv, work = pending
+    def finish(handle, dst: torch.Tensor) -> None:
+        """Wait for an asynchronous gather / scatter and write what arrived into ``dst``."""
+        t, recv, work = handle
         if work is not None:
             work.wait()
         dst.index_copy_(0, t.recv_pos, recv)
 
     def gather(self, local: torch.Tensor, bucket: int, owned: torch.Tensor,
                async_op: bool = False):
-        """Pieces of this bucket's units -> their owners' unit buffers.
-
-        With ``async_op`` it returns a handle for ``finish_gather``.
-        """
-        pending = self._start(self.gather_tables[bucket], local, "gather", async_op)
-        if not async_op:
-            return self._finish(self.gather_tables[bucket], pending, owned)
-        return bucket, pending
-
-    def finish_gather(self, handle, owned: torch.Tensor) -> None:
-        bucket, pending = handle
-        self._finish(self.gather_tables[bucket], pending, owned)
+        """Pieces of this bucket's units -> their owners' unit buffers."""
+        return self._exchange(self.gather_tables[bucket], local, owned, "gather", async_op)
 
     def orthogonalize(self, owned: torch.Tensor) -> torch.Tensor:
         """Batched NS (times the Muon scale) on this rank's units, one batch per shape."""
@@ -231,15 +227,9 @@ class OwnerCentricNS:
 
     def scatter(self, result: torch.Tensor, bucket: int, local_out: torch.Tensor,
                 async_op: bool = False):
-        """Owners' results -> every holder's pieces of this bucket (handle if ``async_op``)."""
-        pending = self._start(self.scatter_tables[bucket], result, "scatter", async_op)
-        if not async_op:
-            return self._finish(self.scatter_tables[bucket], pending, local_out)
-        return bucket, pending
-
-    def finish_scatter(self, handle, local_out: torch.Tensor) -> None:
-        bucket, pending = handle
-        self._finish(self.scatter_tables[bucket], pending, local_out)
+        """Owners' results -> every holder's pieces of this bucket."""
+        return self._exchange(self.scatter_tables[bucket], result, local_out, "scatter",
+                              async_op)
 
     def keep_local(self, result: torch.Tensor, out: torch.Tensor) -> None:
         """Naive mode: every rank computed every unit; keep this rank's pieces."""

@@ -175,3 +175,51 @@ def test_moe_experts_equal_reference(ep):
     assert any("local_experts.1." in n for n in full)
     worst = max((full[n] - ref["params"][n]).abs().max().item() for n in full)
     assert worst < ATOL, worst
+
+
+# --------------------------------------------------------------------------- MatrixFSDP placement
+MATRIX = dict(OPT, dmuon_placement="matrix")
+
+
+def dp_peers_in_muon_step(results):
+    """Per rank: the other-DP-rank peers of every collective the Muon step issued."""
+    out = {}
+    for r in results:
+        lay = r["layout"]
+        tp_group = {q["rank"] for q in results
+                    if q["layout"]["dp"] == lay["dp"] and q["layout"]["pp"] == lay["pp"]}
+        peers = set()
+        for _, ranks, _ in r["muon_collectives"]:
+            peers |= set(ranks) - tp_group
+        out[r["rank"]] = peers
+    return out
+
+
+@pytest.mark.parametrize("layout", ["dp4", "tp2dp2"])
+def test_matrix_placement_equals_reference_with_no_dp_collective(layout):
+    results = train(layout, opt=MATRIX, record_muon_collectives=True)
+    assert_matches(merged_params(results), reference())
+    assert all(not peers for peers in dp_peers_in_muon_step(results).values())
+    for r in results:
+        st = r["dmuon_stats"]
+        if r["layout"]["tp_size"] == 1:  # the whole Muon step is local
+            assert st["comm"]["calls"] == 0 and not r["muon_collectives"]
+        else:  # only the TP exchange that joins a unit's two TP shards
+            assert st["comm"]["bytes_sent"] > 0 and all(len(g) == 2 for _, g, _ in r["muon_collectives"])
+    # every unit is orthogonalised exactly once, by a rank of the DP rank that holds it
+    ref = reference()["params"]
+    total = sum(p.numel() for n, p in ref.items() if is_muon_matrix(n, p))
+    assert sum(r["dmuon_stats"]["owned_numel"] for r in results) == total
+
+
+def test_collective_counter_sees_dp_traffic_of_plain_dmuon():
+    """The counter can fail: default placement sends pieces to owners on other DP ranks."""
+    results = train("dp4", record_muon_collectives=True)
+    assert any(peers for peers in dp_peers_in_muon_step(results).values())
+
+
+def test_dmuon_checkpoint_loads_into_matrix_placement(saved_dp4):
+    """Model-space checkpoints reshard across placements as well as DP / TP sizes."""
+    d, full, _ = saved_dp4
+    resumed = merged_params(train("tp2dp2", opt=MATRIX, steps=4, checkpoint=dict(load=d)))
+    assert max((full[n] - resumed[n]).abs().max().item() for n in full) < ATOL

@@ -6,8 +6,12 @@ One command, one run, the same model for every optimizer:
     python tools/bench_optimizer.py --nproc 4 --tp 2          # TP2 x DP2
 
 For each optimizer it builds the tiny-but-not-trivial GPT, runs warm-up steps, then times
-``optimizer.step()`` (barrier before and after, so the slowest rank counts) and reports
-bytes sent/received per rank in the Muon exchange and Muon state bytes per rank.
+``optimizer.step()`` (barrier before and after, so the slowest rank counts; DMuon runs with
+``dmuon_overlap=False`` so that all of its work is inside the step, see
+``tools/bench_overlap.py`` for the overlap) and reports bytes sent/received per rank in the
+Muon exchange, Muon state bytes per rank and memory per rank (param and grad buffers with
+their padding, optimizer state incl. fp32 main params).  ``dmuon_matrix`` is DMuon with
+MatrixFSDP placement (ZeRO-1: ``dmuon_placement='matrix'`` in matrix-placed DDP buffers).
 Megatron-Core's layer-wise distributed Muon (``optimizer='muon'``) is included when the
 installed megatron-core has it and ``emerging_optimizers`` imports; otherwise the table
 says why it is missing.  CPU numbers are ratios from one run, not absolute claims.
@@ -93,10 +97,19 @@ def worker(cfg: dict, tp: int, optimizers: list, steps: int, warmup: int, prec: 
                     use_distributed_optimizer=False))
                 optim = _fp32_layer_wise_workaround(mcore_get(ocfg, model), ocfg)
             else:
-                ocfg = make_optimizer_config(name, lr=1e-3, muon_fp32_matmul_prec=prec,
-                                             muon_num_ns_steps=ns_steps, dmuon_log_plan=False)
+                matrix = name == "dmuon_matrix"
+                ocfg = make_optimizer_config("dmuon" if matrix else name, lr=1e-3,
+                                             muon_fp32_matmul_prec=prec, muon_num_ns_steps=ns_steps,
+                                             dmuon_log_plan=False, dmuon_overlap=False,
+                                             dmuon_placement="matrix" if matrix else "dmuon")
+                placement = None
+                if matrix:
+                    from megatron_muon.megatron.matrix_placement import matrix_placement
+                    from megatron_muon.megatron.params import is_muon_matrix
+
+                    placement = matrix_placement(is_muon_matrix, log=False)
                 model = build_gpt(gcfg, ddp_config=DistributedDataParallelConfig(
-                    use_distributed_optimizer=True, grad_reduce_in_fp32=True))
+                    use_distributed_optimizer=True, grad_reduce_in_fp32=True), placement=placement)
                 optim = get_megatron_optimizer(ocfg, model)
         except Exception as e:  # reported in the table, not hidden
             out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
@@ -115,7 +128,7 @@ def worker(cfg: dict, tp: int, optimizers: list, steps: int, warmup: int, prec: 
         except RuntimeError as e:  # e.g. gloo has no uneven all_gather
             out[name] = {"error": f"step failed: {str(e).splitlines()[0][:120]}"}
             continue
-        rec = {"step_s": statistics.median(times)}
+        rec = {"step_s": statistics.median(times), "memory": _memory_per_rank(model, optim)}
         for sub in getattr(optim, "chained_optimizers", [optim]):
             if hasattr(sub, "dmuon_stats"):
                 st = sub.dmuon_stats()
@@ -127,6 +140,24 @@ def worker(cfg: dict, tp: int, optimizers: list, steps: int, warmup: int, prec: 
         out[name] = rec
         del optim, model
     return out
+
+
+def _memory_per_rank(model, optim) -> dict:
+    """Bytes this rank holds: param and grad buffers (incl. padding), optimizer state."""
+    params = grads = 0
+    for chunk in model:
+        for buf in list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", [])):
+            if buf.param_data is not None:
+                params += buf.param_data.numel() * buf.param_data.element_size()
+            grads += buf.grad_data.numel() * buf.grad_data.element_size()
+    state = 0
+    for sub in getattr(optim, "chained_optimizers", [optim]):
+        inner = getattr(sub, "optimizer", None)
+        for st in getattr(inner, "state", {}).values():
+            state += sum(t.numel() * t.element_size() for t in st.values() if torch.is_tensor(t))
+        for g in getattr(inner, "param_groups", []):  # fp32 main-param shards
+            state += sum(p.numel() * 4 for p in g["params"])
+    return dict(params=params, grads=grads, state=state)
 
 
 def main(argv=None) -> int:
@@ -141,7 +172,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--ns-steps", type=int, default=5)
     p.add_argument("--muon-fp32-matmul-prec", default="highest", choices=["highest", "high", "medium"])
-    p.add_argument("--optimizers", default="adam,muon_naive,dmuon,mcore_muon_duplicated,mcore_muon_blockwise")
+    p.add_argument("--optimizers", default="adam,muon_naive,dmuon,dmuon_matrix,mcore_muon_duplicated,"
+                                            "mcore_muon_blockwise")
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args(argv)
 
@@ -168,7 +200,8 @@ def main(argv=None) -> int:
 
     base, naive = slowest("dmuon"), slowest("muon_naive")
     print(f"{'optimizer':24s} {'step ms':>9s} {'vs dmuon':>9s} {'naive/x':>8s} "
-          f"{'sent KiB/r':>11s} {'recv KiB/r':>11s} {'state KiB/r':>12s}")
+          f"{'sent KiB/r':>11s} {'recv KiB/r':>11s} {'state KiB/r':>12s} "
+          f"{'mem: params':>12s} {'grads':>8s} {'opt state':>10s} KiB/rank (max)")
     for name in opts:
         r0 = res[0].get(name, {})
         if "error" in r0:
@@ -180,7 +213,9 @@ def main(argv=None) -> int:
         state = max(r[name].get("state", 0) for r in res) / 1024
         rel = f"{step / base:8.2f}x" if base else "      -"
         nv = f"{naive / step:7.2f}x" if naive else "     -"
-        print(f"{name:24s} {1e3 * step:9.1f} {rel:>9s} {nv:>8s} {sent:11.1f} {recv:11.1f} {state:12.1f}")
+        mem = {k: max(r[name]["memory"][k] for r in res) / 1024 for k in ("params", "grads", "state")}
+        print(f"{name:24s} {1e3 * step:9.1f} {rel:>9s} {nv:>8s} {sent:11.1f} {recv:11.1f} {state:12.1f} "
+              f"{mem['params']:12.0f} {mem['grads']:8.0f} {mem['state']:10.0f}")
     if "dmuon" in res[0] and "muon_bytes" in res[0]["dmuon"]:
         mb = res[0]["dmuon"]["muon_bytes"]
         n = a.nproc

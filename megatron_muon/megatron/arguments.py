@@ -116,7 +116,9 @@ def _dmuon_arguments():
         ("dmuon_check_finite", "--dmuon-check-finite",
          dict(action="store_true", help="Raise a clear error if a Muon gradient is NaN/Inf.")),
         ("dmuon_placement", "--dmuon-placement",
-         dict(type=str, choices=placements, help="Which ranks own the Muon units.")),
+         dict(type=str, choices=placements, help="Which ranks own the Muon units: dmuon "
+              "(anywhere in the stage's DP x TP group) or matrix (MatrixFSDP: whole matrices "
+              "per DP rank; build the model inside megatron_muon.megatron.matrix_placement).")),
         ("dmuon_overlap", "--no-dmuon-overlap",
          dict(action="store_false", help="Run DMuon's owner work (gather, Newton-Schulz, "
               "scatter) inside optimizer.step() instead of speculatively at the end of each "

@@ -17,7 +17,7 @@ __all__ = ["DMuonOptimizerConfig", "MUON_OPTIMIZERS", "NS_PRECISIONS"]
 
 MUON_OPTIMIZERS = ("dmuon", "muon_naive")
 NS_PRECISIONS = ("highest", "high", "medium")
-PLACEMENTS = ("dmuon",)
+PLACEMENTS = ("dmuon", "matrix")
 _BASE_FIELDS = {f.name for f in fields(OptimizerConfig)}
 
 
@@ -59,6 +59,9 @@ class DMuonOptimizerConfig(OptimizerConfig):
     dmuon_check_finite: bool = False
     """Raise a clear error if a Muon gradient is NaN/Inf (costs one reduction per step)."""
     dmuon_placement: str = "dmuon"
+    """'dmuon': owners anywhere in the stage's DP x TP group, Megatron's even buffer shards;
+    'matrix': MatrixFSDP placement, every unit whole on one DP rank (build the DDP model
+    inside ``megatron_muon.megatron.matrix_placement``): no DP bytes in the Muon step."""
 
     # --- DMuon overlap (SPEC section 2, "Overlap"); exact: a bitwise check decides ---
     dmuon_overlap: bool = True

@@ -289,13 +289,18 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
     # -- geometry ---------------------------------------------------------------------
     def _build_engine(self, offsets: dict) -> OwnerCentricNS:
         cfg = self.muon_config
+        matrix = cfg.dmuon_placement == "matrix"
         if self.expert:  # experts: planned over their expert-data-parallel group
             if parallel_state.get_expert_tensor_parallel_world_size() != 1:
                 raise ValueError("optimizer='dmuon' supports MoE experts with expert tensor "
                                  "parallel size 1 only (set expert_tensor_parallel_size=1)")
             group, tp_size, tp_rank = parallel_state.get_expert_data_parallel_group(), 1, 0
+            if matrix:  # every expert matrix is whole on its DP owner: nothing to exchange
+                group = parallel_state.get_expert_tensor_parallel_group()
         else:
-            group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=False)
+            # matrix placement: a unit's TP shards sit on one DP rank's TP group
+            group = parallel_state.get_tensor_model_parallel_group() if matrix else \
+                parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=False)
             tp_size = parallel_state.get_tensor_model_parallel_world_size()
             tp_rank = parallel_state.get_tensor_model_parallel_rank()
         model_config = self.model_chunks[0].config
@@ -338,6 +343,10 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
         matrices = []
         for p in muon_params:
             key = f"{names[p][0]}:{names[p][1]}"
+            if matrix:
+                if not pieces[key]:
+                    continue  # lives whole on another DP rank
+                self._check_whole(key, p, pieces[key], tp_size, dist.get_world_size(group))
             dim = tp_partition_dim(p)
             shape = full_shape(p, tp_size)
             units = muon_units(names[p][1], shape, model_config, split_qkv=cfg.muon_split_qkv,
@@ -395,6 +404,19 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
     def sharded_state_dict(self, *args, **kwargs):
         self.finish_deferred()
         return super().sharded_state_dict(*args, **kwargs)
+
+    @staticmethod
+    def _check_whole(key, p, pieces, tp_size, group_size) -> None:
+        """Matrix placement: this DP rank's TP group must hold every TP shard of ``p`` whole."""
+        held = {}
+        for _, trank, start, end, _ in pieces:
+            held[trank] = held.get(trank, 0) + end - start
+        if len(held) != (tp_size if tp_partition_dim(p) is not None else group_size) or \
+                any(n != p.numel() for n in held.values()):
+            raise ValueError(
+                f"dmuon_placement='matrix': {key} is not whole on one data-parallel rank "
+                f"(TP shard elements held here: {held}, need {p.numel()} each). Build the "
+                "DDP model inside megatron_muon.megatron.matrix_placement.matrix_placement(...)")
 
     def _unit_cost(self):
         cfg = self.muon_config

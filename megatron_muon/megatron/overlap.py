@@ -80,7 +80,7 @@ class _Speculation:
     def drain(self, engine) -> None:
         """Wait for every exchange still in flight (results are thrown away)."""
         for h in self.gathers:
-            engine.finish_gather(h, self.owned)
+            engine.finish(h, self.owned)
         self.gathers = []
         self.finish_scatters(engine, list(self.scatters))
 
@@ -88,7 +88,7 @@ class _Speculation:
         for b in buckets:
             h = self.scatters.pop(b, None)
             if h is not None:
-                engine.finish_scatter(h, self.out)
+                engine.finish(h, self.out)
 
 
 @dataclass
@@ -155,7 +155,8 @@ class DMuonOverlap:
                            before=True)
         chunks = list(self.opt.model_chunks)
         for chunk in chunks:
-            self._wrap(chunk, "finish_grad_sync", lambda c=chunk, n=len(chunks): self._on_finish(c, n))
+            self._wrap(chunk, "finish_grad_sync",
+                       lambda c=chunk, n=len(chunks): self._on_finish(c, n))
 
     @staticmethod
     def _wrap(obj, name: str, hook, before: bool = False) -> None:
@@ -232,7 +233,7 @@ class DMuonOverlap:
         spec, eng = self.spec, self.engine
         with span("dmuon.gather_wait"):
             for h in spec.gathers:
-                eng.finish_gather(h, spec.owned)
+                eng.finish(h, spec.owned)
             spec.gathers = []
         with span("dmuon.ns"):
             result = eng.orthogonalize(spec.owned)

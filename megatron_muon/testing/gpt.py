@@ -102,8 +102,14 @@ def transformer_config(cfg: TinyGPTConfig):
 
 
 def build_gpt(cfg: TinyGPTConfig, *, wrap_ddp: bool = True, ddp_config=None,
-              layer_spec=None) -> list:
-    """GPTModel chunks for this rank's pipeline stage(s), optionally wrapped in Megatron DDP."""
+              layer_spec=None, placement=None) -> list:
+    """GPTModel chunks for this rank's pipeline stage(s), optionally wrapped in Megatron DDP.
+
+    ``placement``: a context manager (``megatron_muon.megatron.matrix_placement``) under
+    which the DDP buffers are built.
+    """
+    import contextlib
+
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -135,9 +141,10 @@ def build_gpt(cfg: TinyGPTConfig, *, wrap_ddp: bool = True, ddp_config=None,
         use_distributed_optimizer=True, overlap_grad_reduce=False, bucket_size=None,
         grad_reduce_in_fp32=True)
     wrapped = []
-    for i, model in enumerate(chunks):
-        wrapped.append(DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=model,
-                                               disable_bucketing=i > 0))
+    with placement if placement is not None else contextlib.nullcontext():
+        for i, model in enumerate(chunks):
+            wrapped.append(DistributedDataParallel(config=tcfg, ddp_config=ddp_config,
+                                                   module=model, disable_bucketing=i > 0))
     wire_ddp_hooks(tcfg, wrapped, ddp_config)
     return wrapped
 

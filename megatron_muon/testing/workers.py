@@ -45,12 +45,13 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
                    ddp: Optional[dict] = None, return_params: bool = True,
                    checkpoint: Optional[dict] = None, inf_at_step: Optional[int] = None,
                    params_each_step: bool = False, clip_at_steps: tuple = (),
-                   trace_dir: Optional[str] = None) -> dict:
+                   trace_dir: Optional[str] = None, record_muon_collectives: bool = False) -> dict:
     """Train the tiny GPT for ``steps`` steps; return losses and (TP-gathered) parameters.
 
     ``inf_at_step`` writes an Inf into every rank's reduced gradient buffer at that step
     (the optimizer must detect it and skip the step); ``params_each_step`` also returns the
-    parameters after every step; ``clip_at_steps`` sets a tiny ``clip_grad`` (1e-4) in
+    parameters after every step; ``record_muon_collectives`` returns every collective the
+    Muon step (and its speculative overlap work) issued; ``clip_at_steps`` sets a tiny ``clip_grad`` (1e-4) in
     those steps so that clipping certainly happens; ``trace_dir`` writes Chrome traces.
     """
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -63,10 +64,29 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
     ddp_kwargs = dict(use_distributed_optimizer=True, overlap_grad_reduce=False,
                       grad_reduce_in_fp32=True)
     ddp_kwargs.update(ddp or {})
-    model = build_gpt(gcfg, ddp_config=DistributedDataParallelConfig(**ddp_kwargs))
     ocfg = make_optimizer_config(optimizer, **{"bf16": gcfg.bf16, "fp16": gcfg.fp16, **(opt or {})})
+    placement = None
+    if getattr(ocfg, "dmuon_placement", "dmuon") == "matrix":
+        from megatron_muon.megatron.matrix_placement import matrix_placement
+        from megatron_muon.megatron.params import is_muon_matrix
+
+        placement = matrix_placement(lambda n, p: is_muon_matrix(n, p, ocfg.dmuon_adam_params))
+    model = build_gpt(gcfg, ddp_config=DistributedDataParallelConfig(**ddp_kwargs),
+                      placement=placement)
     optim = get_megatron_optimizer(ocfg, model)
     sched = constant_scheduler(optim, ocfg)
+    recorder = None
+    if record_muon_collectives:
+        from megatron_muon.testing.collectives import CollectiveRecorder
+
+        recorder = CollectiveRecorder().install()
+        for sub in getattr(optim, "chained_optimizers", [optim]):
+            inner = getattr(sub, "optimizer", None)
+            if hasattr(inner, "engine"):  # DMuon's ShardedMuonStep
+                recorder.watch(inner, "step")
+                if inner.overlap is not None:
+                    for m in ("_process", "_finish_backward", "flush"):
+                        recorder.watch(inner.overlap, m)
     if trace_dir:
         from megatron_muon.megatron.tracing import enable_tracing
 
@@ -100,8 +120,11 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
         from megatron_muon.megatron.tracing import save_trace
 
         save_trace(trace_dir)
+    if recorder is not None:
+        recorder.uninstall()
     result = dict(layout=lr, losses=losses, grad_norms=norms, rank=dist.get_rank(),
-                  updated=updated, history=history)
+                  updated=updated, history=history,
+                  muon_collectives=recorder.records if recorder is not None else None)
     if return_params:
         sync_params(model)
         result["params"] = full_named_params(model)

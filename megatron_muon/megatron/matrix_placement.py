@@ -1,0 +1,178 @@
+"""MatrixFSDP placement in Megatron DDP's buffers (ZeRO-1/2, SPEC section 3).
+
+Megatron shards every bucket of a DDP buffer into equal contiguous ranges, one per
+data-parallel rank, cutting through matrices.  Under ``matrix_placement(...)`` each bucket
+is laid out by ``megatron_muon.placement.place_bucket`` instead: every Muon matrix (the
+TP-local shard of a unit) lies whole inside one DP rank's range, small non-Muon tensors fill
+the gaps, and the non-Muon tensors that do not fit go to a final, ordinarily sharded bucket.
+Megatron's own reduce-scatter then leaves each matrix's full gradient on its owner, its
+``DistributedOptimizer`` gives the owner the whole matrix as its shard, and DMuon
+(``dmuon_placement='matrix'``) runs Newton-Schulz locally: no data-parallel collective in
+the Muon step, only the TP exchange that joins a unit's TP shards.
+
+Megatron versions: 0.19 buffers take a ``PerBufferParamLayout`` (the type behind DDP's
+``full_param_layout``), which the buffer subclass passes in; 0.16.1 computes its layout
+inline, so the subclass re-lays the buffer out right after Megatron built it.  Either way
+the layout is installed where DDP creates its buffers, which covers Megatron-LM's
+``get_model`` as well as direct DDP construction.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from contextlib import contextmanager
+from typing import Callable, Optional
+
+import torch
+
+from ..placement import BucketPlacement, Item, place_bucket
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["matrix_placement", "matrix_layout", "MatrixLayout"]
+
+ALIGN = 64  # elements; Megatron aligns distributed-optimizer params to 64 as well
+
+
+class MatrixLayout:
+    """``param_index_map`` / ``bucket_indices`` / ``per_bucket_numel_unpadded`` of one buffer."""
+
+    def __init__(self):
+        self.param_index_map: dict = {}
+        self.bucket_indices: list = []
+        self.per_bucket_numel_unpadded: list = []
+        self.placements: list[Optional[BucketPlacement]] = []  # None: the plain bucket
+
+    def summary(self) -> str:
+        lines = []
+        for i, pl in enumerate(self.placements):
+            s, e = self.bucket_indices[i]
+            lines.append(f"bucket {i} [{s}, {e}): " + (pl.summary() if pl else
+                                                         "non-Muon tensors, even shards"))
+        return "\n".join(lines)
+
+
+def _pad(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def matrix_layout(params: list, names: dict, world: int, bucket_size: Optional[int],
+                  is_muon: Callable, cost: Callable = lambda p: float(p.numel())) -> MatrixLayout:
+    """The layout of one buffer whose ``params`` are in Megatron's order (bucket 0 holds the
+    last ones, whose gradients are ready first)."""
+    order = list(params)[::-1]
+    groups, cur, size = [], [], 0
+    for p in order:  # Megatron's bucketing: close a bucket once it holds >= bucket_size
+        cur.append(p)
+        size += p.numel()
+        if bucket_size is not None and size >= bucket_size:
+            groups.append(cur)
+            cur, size = [], 0
+    if cur:
+        groups.append(cur)
+    layout = MatrixLayout()
+    offset, leftover = 0, []
+    for group in groups:
+        mats = [p for p in group if is_muon(names[p], p)]
+        fills = [p for p in group if not is_muon(names[p], p)]
+        if not mats:
+            leftover += fills
+            continue
+        key = {id(p): p for p in group}
+        pl = place_bucket([Item(id(p), p.numel(), cost(p)) for p in mats],
+                          [Item(id(p), p.numel()) for p in fills], world, align=ALIGN)
+        placed_fills = [p for p in fills if id(p) in pl.offsets]
+        leftover += [key[f.key] for f in pl.leftover]
+        bid = len(layout.bucket_indices)
+        for p in mats + placed_fills:
+            start = offset + pl.offsets[id(p)]
+            layout.param_index_map[p] = (start, start + p.numel(), bid)
+        layout.bucket_indices.append((offset, offset + pl.numel))
+        layout.per_bucket_numel_unpadded.append(sum(p.numel() for p in mats + placed_fills))
+        layout.placements.append(pl)
+        offset += pl.numel
+    if leftover:  # one ordinary bucket: contiguous, cut anywhere, padded to the DP size
+        bid, start = len(layout.bucket_indices), offset
+        rank_of = {id(p): i for i, p in enumerate(order)}
+        leftover.sort(key=lambda p: rank_of[id(p)])
+        for p in leftover:
+            layout.param_index_map[p] = (offset, offset + p.numel(), bid)
+            offset = _pad(offset + p.numel(), ALIGN)
+        end = start + _pad(offset - start, world * ALIGN)
+        layout.bucket_indices.append((start, end))
+        layout.per_bucket_numel_unpadded.append(sum(p.numel() for p in leftover))
+        layout.placements.append(None)
+    return layout
+
+
+def _relayout(buf, layout: MatrixLayout) -> None:
+    """Megatron 0.16.1: re-map an already built ``_ParamAndGradBuffer`` onto ``layout``."""
+    from megatron.core.distributed.param_and_grad_buffer import BufferType
+
+    buf.param_index_map = layout.param_index_map
+    buf.bucket_indices = layout.bucket_indices
+    buf.numel = layout.bucket_indices[-1][1]
+    buf.numel_unpadded = sum(layout.per_bucket_numel_unpadded)
+    device = buf.grad_data.device
+    if buf.param_data is not None:
+        buf.param_data = torch.zeros(buf.numel, dtype=buf.param_dtype, device=device)
+    buf.grad_data = torch.zeros(buf.numel, dtype=buf.grad_dtype, device=device)
+    for p in buf.params:
+        start = layout.param_index_map[p][0]
+        if buf.param_data is not None:
+            new = buf._get(p.data.shape, start, buffer_type=BufferType.PARAM)
+            new.copy_(p.data)
+            p.data = new
+        p.main_grad = buf._get(p.data.shape, start, buffer_type=BufferType.GRAD)
+    buf.buckets, buf.param_to_bucket = [], {}
+    for bid, (s, e) in enumerate(layout.bucket_indices):
+        members = [p for p in buf.params[::-1] if layout.param_index_map[p][2] == bid]
+        buf.buckets.append(buf._new_bucket(bucket_params=members, start_index=s, end_index=e,
+                                           numel_unpadded=layout.per_bucket_numel_unpadded[bid],
+                                           bucket_id=bid))
+
+
+@contextmanager
+def matrix_placement(is_muon: Callable, cost: Optional[Callable] = None, log: bool = True):
+    """Build Megatron DDP models inside this block to get whole-matrix DP shards.
+
+    ``is_muon(name, param)`` says which parameters are Muon matrices (use
+    ``megatron_muon.megatron.params.is_muon_matrix`` with the optimizer's
+    ``dmuon_adam_params``); ``cost(param)`` weighs the NS load (default: its size).
+    """
+    from megatron.core.distributed import distributed_data_parallel as ddp_mod
+
+    base = ddp_mod._ParamAndGradBuffer
+    takes_layout = "param_layout" in inspect.signature(base.__init__).parameters
+    weigh = cost or (lambda p: float(p.numel()))
+
+    class MatrixPlacedBuffer(base):
+        def __init__(self, ddp_config, param_dtype, grad_dtype, params, data_parallel_group,
+                     bucket_size, param_to_name, *args, **kwargs):
+            if not ddp_config.use_distributed_optimizer:
+                raise ValueError("matrix placement shards the distributed optimizer's buffers: "
+                                 "set use_distributed_optimizer=True")
+            plist = [p for p, _ in params] if params and isinstance(params[0], tuple) else list(params)
+            world = data_parallel_group.size()
+            layout = matrix_layout(plist, param_to_name, world, bucket_size, is_muon, weigh)
+            self.matrix_layout = layout
+            if takes_layout:
+                from megatron.core.optimizer.param_layout import PerBufferParamLayout
+
+                kwargs["param_layout"] = PerBufferParamLayout(
+                    param_index_map=layout.param_index_map, bucket_indices=layout.bucket_indices,
+                    per_bucket_numel_unpadded=layout.per_bucket_numel_unpadded,
+                    param_indices=args[1] if len(args) > 1 else [], num_optimizer_shards=world)
+            super().__init__(ddp_config, param_dtype, grad_dtype, params, data_parallel_group,
+                             bucket_size, param_to_name, *args, **kwargs)
+            if not takes_layout:
+                _relayout(self, layout)
+            if log and torch.distributed.get_rank() == 0:
+                logger.info("matrix placement (DP %d):\n%s", world, layout.summary())
+
+    ddp_mod._ParamAndGradBuffer = MatrixPlacedBuffer
+    try:
+        yield
+    finally:
+        ddp_mod._ParamAndGradBuffer = base
