@@ -435,11 +435,9 @@ def build_model(args) -> list:
         overlap_param_gather=args.overlap_param_gather)
     placement = contextlib.nullcontext()
     if getattr(args, "dmuon_placement", "dmuon") == "matrix":  # MatrixFSDP buffers
-        from megatron_muon.megatron.matrix_placement import matrix_placement
-        from megatron_muon.megatron.params import is_muon_matrix
+        from megatron_muon.megatron.matrix_placement import matrix_placement_for
 
-        placement = matrix_placement(
-            lambda n, p: is_muon_matrix(n, p, getattr(args, "dmuon_adam_params", None)))
+        placement = matrix_placement_for(args)
     with placement:
         model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]
     wire_ddp_hooks(config, model, ddp_config)  # what Megatron-LM's training loop sets up

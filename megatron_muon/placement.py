@@ -14,7 +14,7 @@ byte imbalance (padding) and the Newton-Schulz cost imbalance stay bounded.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Hashable, Optional, Sequence
 
 __all__ = ["Item", "BucketPlacement", "place_bucket"]
 
@@ -65,12 +65,16 @@ class BucketPlacement:
 
 
 def place_bucket(matrices: Sequence[Item], fillers: Sequence[Item], world: int,
-                 align: int = 1, slack: float = 0.02) -> BucketPlacement:
+                 align: int = 1, slack: float = 0.02,
+                 carry: Optional[list] = None, place_all: bool = False) -> BucketPlacement:
     """Place whole ``matrices`` on ranks and pack ``fillers`` around them.
 
     Fillers go, largest first, to the rank with the fewest elements, as long as it stays
     within ``(1 + slack)`` x the even share (or the largest matrix load, if larger); the
-    ones that do not fit are returned in ``leftover`` for the caller to shard as usual.
+    ones that do not fit are returned in ``leftover`` for the caller to shard as usual (with
+    ``place_all`` they go to the least-loaded rank anyway and the shards grow).
+    ``carry``: per-rank (elements, cost) already placed in earlier buckets; LPT continues
+    from them so that the NS load balances over the whole model, and is updated in place.
     Deterministic (ties broken by input order), so every rank computes the same layout.
     """
     if world < 1:
@@ -84,12 +88,14 @@ def place_bucket(matrices: Sequence[Item], fillers: Sequence[Item], world: int,
     tot_b = sum(m.numel for m in matrices) or 1
     tot_c = sum(m.cost for m in matrices) or 1.0
     loads_b, loads_c = [0] * world, [0.0] * world
+    prior = carry if carry is not None else [(0, 0.0)] * world
     mine: list[list[Item]] = [[] for _ in range(world)]
     order = sorted(range(len(matrices)), key=lambda i: (-matrices[i].numel, -matrices[i].cost, i))
     for i in order:
         m = matrices[i]
         r = min(range(world), key=lambda q: ((loads_b[q] + m.numel) / tot_b
-                                             + (loads_c[q] + m.cost) / tot_c, q))
+                                             + (loads_c[q] + m.cost) / tot_c,
+                                             prior[q][1] + loads_c[q], q))
         mine[r].append(m)
         loads_b[r] += m.numel
         loads_c[r] += m.cost
@@ -102,13 +108,15 @@ def place_bucket(matrices: Sequence[Item], fillers: Sequence[Item], world: int,
     for i in sorted(range(len(fillers)), key=lambda i: (-fillers[i].numel, i)):
         f = fillers[i]
         r = min(range(world), key=lambda q: (sizes[q], q))
-        if sizes[r] + fp(f.numel) > bound:
+        if sizes[r] + fp(f.numel) > bound and not place_all:
             leftover.append(f)
             continue
         fill[r].append(f)
         sizes[r] += fp(f.numel)
     shard = max(sizes + [1])
     shard = -(-shard // align) * align
+    if carry is not None:
+        carry[:] = [(prior[q][0] + loads_b[q], prior[q][1] + loads_c[q]) for q in range(world)]
     pl = BucketPlacement(world=world, shard_numel=shard, matrix_numel=loads_b,
                          filler_numel=[sum(f.numel for f in fs) for fs in fill], cost=loads_c,
                          leftover=sorted(leftover, key=lambda f: keys.index(f.key)))

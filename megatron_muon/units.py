@@ -26,6 +26,7 @@ __all__ = [
     "insert_unit",
     "unit_flat_indices",
     "unit_positions",
+    "shard_units",
 ]
 
 
@@ -151,3 +152,30 @@ def unit_positions(unit: Unit, full_flat: torch.Tensor) -> torch.Tensor:
     else:
         pos = r * int(lengths.sum()) + k
     return torch.where(valid, pos, torch.full_like(pos, -1))
+
+
+def shard_units(units: Sequence[Unit], dim: int, shard_blocks: Sequence[Sequence[tuple[int, int]]]
+                ) -> list[Unit]:
+    """Split units along TP shards: the per-shard ("blockwise") units of one parameter.
+
+    ``shard_blocks[t]`` are the (start, length) blocks along ``dim`` that TP shard t holds,
+    in the parameter's own coordinates.  Row units are intersected with row shards; with
+    column shards (row-parallel layers) every unit must span all rows.
+    """
+    out = []
+    for u in units:
+        for t, blocks in enumerate(shard_blocks):
+            if dim == 0 and u.dim == 0:
+                inter = []
+                for s, l in u.blocks:
+                    for bs, bl in blocks:
+                        lo, hi = max(s, bs), min(s + l, bs + bl)
+                        if lo < hi:
+                            inter.append((lo, hi - lo))
+                if inter:
+                    out.append(Unit(u.param_shape, 0, tuple(sorted(inter)), f"{u.name}@tp{t}"))
+            elif dim == 1 and u.dim == 0 and u.blocks == ((0, u.param_shape[0]),):
+                out.append(Unit(u.param_shape, 1, tuple(blocks), f"{u.name}@tp{t}"))
+            else:
+                raise ValueError(f"cannot split unit {u} along TP dim {dim}")
+    return out

@@ -223,3 +223,28 @@ def test_dmuon_checkpoint_loads_into_matrix_placement(saved_dp4):
     d, full, _ = saved_dp4
     resumed = merged_params(train("tp2dp2", opt=MATRIX, steps=4, checkpoint=dict(load=d)))
     assert max((full[n] - resumed[n]).abs().max().item() for n in full) < ATOL
+
+
+# --------------------------------------------------------------------------- blockwise opt-in
+@pytest.mark.parametrize("placement", ["dmuon", "matrix"])
+def test_blockwise_tp_mode_equals_per_shard_reference_and_is_labelled(placement):
+    """dmuon_tp_mode='blockwise': NS per TP shard (Megatron's blockwise), no TP exchange."""
+    key = ("reference_blockwise2",)
+    if key not in _CACHE:
+        _CACHE[key] = run_ranks("megatron_muon.testing.reference:reference_train", 1,
+                                dict(cfg={"num_microbatches": 4}, dp_size=1, steps=STEPS,
+                                     opt=OPT, tp_blockwise=2), timeout=300)[0]
+    ref = _CACHE[key]
+    opt = dict(OPT, dmuon_tp_mode="blockwise", dmuon_placement=placement)
+    results = train("tp2dp2", opt=opt, record_muon_collectives=True)
+    full = merged_params(results)
+    worst = max((full[n] - ref["params"][n]).abs().max().item() for n in full)
+    assert worst < ATOL, worst
+    # not TP-invariant: it is not the exact (whole-unit) update
+    exact = reference()["params"]
+    assert max((full[n] - exact[n]).abs().max().item() for n in full) > 100 * ATOL
+    for r in results:  # never a collective within the TP group
+        tp_peers = {q["rank"] for q in results if q["layout"]["dp"] == r["layout"]["dp"]} - {r["rank"]}
+        assert not any(set(g) & tp_peers for _, g, _ in r["muon_collectives"])
+        if placement == "matrix":
+            assert not r["muon_collectives"]

@@ -286,7 +286,7 @@ sys.argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
     "--transformer-impl", "local", "--position-embedding-type", "rope",
     "--untie-embeddings-and-output-weights",
     "--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-nesterov",
-    "--muon-coefficient-type", "simple", "--muon-fp32-matmul-prec", "highest"]
+    "--muon-coefficient-type", "simple", "--muon-fp32-matmul-prec", "highest"] + EXTRA
 args = A.parse_args()
 A.validate_args(args)
 set_global_variables(args, build_tokenizer=False)
@@ -305,28 +305,33 @@ model, optimizer, scheduler = T.setup_model_and_optimizer(ModelType.encoder_or_d
 subs = [type(o).__name__ for o in optimizer.chained_optimizers]
 cfg = optimizer.chained_optimizers[0].config
 print("SETUP", type(optimizer).__name__, ",".join(subs), type(cfg).__name__, cfg.optimizer,
-      cfg.muon_coefficient_type, type(scheduler).__name__)
+      cfg.muon_coefficient_type, type(scheduler).__name__, type(model[0].buffers[0]).__name__,
+      cfg.dmuon_placement)
 dist.destroy_process_group()
 """
 
 
 @needs_training
 @pytest.mark.timeout(300)
-def test_patched_training_builds_dmuon_optimizer(patched_tree):
-    """Megatron-LM's own setup_model_and_optimizer, patched, on one CPU rank (gloo)."""
+@pytest.mark.parametrize("placement", ["dmuon", "matrix"])
+def test_patched_training_builds_dmuon_optimizer(patched_tree, placement):
+    """Megatron-LM's own setup_model_and_optimizer, patched, on one CPU rank (gloo); with
+    --dmuon-placement matrix its get_model builds MatrixFSDP-placed DDP buffers."""
     from megatron_muon.testing.launch import free_port
 
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(patched_tree), str(REPO),
                                            os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", _SETUP_DRIVER], capture_output=True,
+    driver = _SETUP_DRIVER.replace("+ EXTRA", f"+ {['--dmuon-placement', placement]!r}")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", driver], capture_output=True,
                          text=True, timeout=240, env=env)
     lines = [l for l in out.stdout.splitlines() if l.startswith("SETUP ")]
     assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
     assert lines[-1].split()[1:] == [
         "ChainedOptimizer", "DMuonDistributedOptimizer,SubsetDistributedOptimizer",
-        "DMuonOptimizerConfig", "dmuon", "simple", "OptimizerParamScheduler"]
+        "DMuonOptimizerConfig", "dmuon", "simple", "OptimizerParamScheduler",
+        "MatrixPlacedBuffer" if placement == "matrix" else "_ParamAndGradBuffer", placement]
 
 
 # --------------------------------------------------------------------------- plain argparse

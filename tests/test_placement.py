@@ -51,6 +51,9 @@ def test_fillers_that_do_not_fit_are_left_over_and_order_is_deterministic():
     assert pl.owner["a"] != pl.owner["b"]
     check_layout(pl, mats, fills)
     assert place_bucket(mats, fills, 2).offsets == pl.offsets
+    forced = place_bucket(mats, fills, 2, place_all=True)  # the shards grow instead
+    assert not forced.leftover and forced.shard_numel >= 500
+    check_layout(forced, mats, fills)
 
 
 def test_random_sizes_never_split_a_matrix():
@@ -70,3 +73,12 @@ def test_bad_inputs():
         place_bucket([Item("a", 1)], [], 0)
     with pytest.raises(ValueError, match="duplicate"):
         place_bucket([Item("a", 1)], [Item("a", 2)], 2)
+
+
+def test_carry_balances_load_across_buckets():
+    """One matrix per bucket: without carried loads every bucket would pick rank 0."""
+    carry = [(0, 0.0)] * 4
+    owners = [place_bucket([Item(f"m{i}", 100, 1.0)], [], 4, carry=carry).owner[f"m{i}"]
+              for i in range(8)]
+    assert sorted(owners) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [c[0] for c in carry] == [200] * 4

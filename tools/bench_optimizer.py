@@ -104,10 +104,9 @@ def worker(cfg: dict, tp: int, optimizers: list, steps: int, warmup: int, prec: 
                                              dmuon_placement="matrix" if matrix else "dmuon")
                 placement = None
                 if matrix:
-                    from megatron_muon.megatron.matrix_placement import matrix_placement
-                    from megatron_muon.megatron.params import is_muon_matrix
+                    from megatron_muon.megatron.matrix_placement import matrix_placement_for
 
-                    placement = matrix_placement(is_muon_matrix, log=False)
+                    placement = matrix_placement_for(ocfg, log=False)
                 model = build_gpt(gcfg, ddp_config=DistributedDataParallelConfig(
                     use_distributed_optimizer=True, grad_reduce_in_fp32=True), placement=placement)
                 optim = get_megatron_optimizer(ocfg, model)

@@ -119,6 +119,10 @@ def _dmuon_arguments():
          dict(type=str, choices=placements, help="Which ranks own the Muon units: dmuon "
               "(anywhere in the stage's DP x TP group) or matrix (MatrixFSDP: whole matrices "
               "per DP rank; build the model inside megatron_muon.megatron.matrix_placement).")),
+        ("dmuon_tp_mode", "--dmuon-tp-mode",
+         dict(type=str, choices=["exact", "blockwise"], help="exact: Newton-Schulz on whole "
+              "(TP-unsharded) units, TP-invariant; blockwise: on each TP rank's shard "
+              "separately (Megatron's muon_tp_mode=blockwise), NOT TP-invariant.")),
         ("dmuon_overlap", "--no-dmuon-overlap",
          dict(action="store_false", help="Run DMuon's owner work (gather, Newton-Schulz, "
               "scatter) inside optimizer.step() instead of speculatively at the end of each "
@@ -143,7 +147,8 @@ MUON_ARGUMENTS = ("muon_momentum", "muon_nesterov", "muon_num_ns_steps",
                   "muon_fp32_matmul_prec", "muon_split_qkv")
 DMUON_ARGUMENTS = ("dmuon_split_fc1", "dmuon_adam_params", "dmuon_plan_cost",
                    "dmuon_tuner_cache", "dmuon_ns_backend", "dmuon_locality_slack",
-                   "dmuon_log_plan", "dmuon_check_finite", "dmuon_placement", "dmuon_overlap",
+                   "dmuon_log_plan", "dmuon_check_finite", "dmuon_placement", "dmuon_tp_mode",
+                   "dmuon_overlap",
                    "dmuon_overlap_bucket_gather", "dmuon_overlap_param_update",
                    "dmuon_trace_dir")
 

@@ -18,6 +18,7 @@ __all__ = ["DMuonOptimizerConfig", "MUON_OPTIMIZERS", "NS_PRECISIONS"]
 MUON_OPTIMIZERS = ("dmuon", "muon_naive")
 NS_PRECISIONS = ("highest", "high", "medium")
 PLACEMENTS = ("dmuon", "matrix")
+TP_MODES = ("exact", "blockwise")
 _BASE_FIELDS = {f.name for f in fields(OptimizerConfig)}
 
 
@@ -63,6 +64,11 @@ class DMuonOptimizerConfig(OptimizerConfig):
     'matrix': MatrixFSDP placement, every unit whole on one DP rank (build the DDP model
     inside ``megatron_muon.megatron.matrix_placement``): no DP bytes in the Muon step."""
 
+    dmuon_tp_mode: str = "exact"
+    """'exact': NS on whole (TP-unsharded) units, TP-invariant; 'blockwise': NS on each TP
+    rank's shard of a unit separately, as Megatron's muon_tp_mode='blockwise'. NOT
+    TP-invariant (the update changes with the TP size); explicit opt-in, no TP exchange."""
+
     # --- DMuon overlap (SPEC section 2, "Overlap"); exact: a bitwise check decides ---
     dmuon_overlap: bool = True
     """Run the owner work (gather, NS, scatter launch) speculatively at the end of each
@@ -98,6 +104,8 @@ class DMuonOptimizerConfig(OptimizerConfig):
         if self.dmuon_ns_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"dmuon_ns_backend must be 'auto', 'torch' or 'triton', "
                              f"got {self.dmuon_ns_backend!r}")
+        if self.dmuon_tp_mode not in TP_MODES:
+            raise ValueError(f"dmuon_tp_mode must be one of {TP_MODES}, got {self.dmuon_tp_mode!r}")
         if self.dmuon_placement not in PLACEMENTS:
             raise ValueError(f"dmuon_placement must be one of {PLACEMENTS}, got {self.dmuon_placement!r}")
         if not self.dmuon_overlap:  # the refinements need the speculative owner work

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -297,6 +298,10 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
             group, tp_size, tp_rank = parallel_state.get_expert_data_parallel_group(), 1, 0
             if matrix:  # every expert matrix is whole on its DP owner: nothing to exchange
                 group = parallel_state.get_expert_tensor_parallel_group()
+        elif cfg.dmuon_tp_mode == "blockwise":  # each TP shard is a matrix of its own
+            group = None if matrix else parallel_state.get_data_parallel_group(
+                with_context_parallel=False)
+            tp_size, tp_rank = 1, 0
         else:
             # matrix placement: a unit's TP shards sit on one DP rank's TP group
             group = parallel_state.get_tensor_model_parallel_group() if matrix else \
@@ -304,6 +309,17 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
             tp_size = parallel_state.get_tensor_model_parallel_world_size()
             tp_rank = parallel_state.get_tensor_model_parallel_rank()
         model_config = self.model_chunks[0].config
+        blockwise = cfg.dmuon_tp_mode == "blockwise" and not self.expert
+        if blockwise:  # the attention geometry of one TP shard
+            real_tp = parallel_state.get_tensor_model_parallel_world_size()
+            heads = model_config.num_attention_heads
+            model_config = SimpleNamespace(
+                num_attention_heads=heads // real_tp,
+                num_query_groups=(model_config.num_query_groups or heads) // real_tp,
+                kv_channels=model_config.kv_channels or model_config.hidden_size // heads,
+                hidden_size=model_config.hidden_size,
+                gated_linear_unit=model_config.gated_linear_unit)
+        world = dist.get_world_size(group) if group is not None else 1
 
         # Every Muon matrix of this stage, in an order all ranks agree on.
         names = {}
@@ -328,9 +344,12 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
             main = self.optimizer.param_groups[gi]["params"][go] if hasattr(
                 self.optimizer, "param_groups") else None
             mine.append((f"{names[p][0]}:{names[p][1]}", r.start, r.end, offsets[main]))
-        gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (tp_rank, [f"{names[p][0]}:{names[p][1]}"
-                                                    for p in muon_params], mine), group=group)
+        gathered = [None] * world
+        info = (tp_rank, [f"{names[p][0]}:{names[p][1]}" for p in muon_params], mine)
+        if group is None:
+            gathered = [info]
+        else:
+            dist.all_gather_object(gathered, info, group=group)
         keys = gathered[0][1]
         for g in gathered[1:]:
             if g[1] != keys:
@@ -343,12 +362,12 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
         matrices = []
         for p in muon_params:
             key = f"{names[p][0]}:{names[p][1]}"
+            dim = None if blockwise else tp_partition_dim(p)
             if matrix:
                 if not pieces[key]:
                     continue  # lives whole on another DP rank
-                self._check_whole(key, p, pieces[key], tp_size, dist.get_world_size(group))
-            dim = tp_partition_dim(p)
-            shape = full_shape(p, tp_size)
+                self._check_whole(key, p, pieces[key], tp_size if dim is not None else world)
+            shape = tuple(p.shape) if blockwise else full_shape(p, tp_size)
             units = muon_units(names[p][1], shape, model_config, split_qkv=cfg.muon_split_qkv,
                                split_fc1=cfg.dmuon_split_fc1, tp_size=tp_size)
             ps = tuple(Piece(rank=g, tp_rank=t, start=s, end=e, local_offset=o,
@@ -363,15 +382,16 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
         for m in matrices:
             total = m.shape[0] * m.shape[1]
             for i, u in enumerate(m.units):
-                held = [0] * dist.get_world_size(group)
+                held = [0] * world
                 for pc in m.pieces:  # proportional estimate for split (QKV, gate/up) units
                     held[pc.rank] += (pc.end - pc.start) * u.numel // total
                 holdings[m.unit_key(i)] = held
-        plan = plan_owners(tasks, dist.get_world_size(group),
+        plan = plan_owners(tasks, world,
                            holdings=None if self.replicate else holdings,
                            locality_slack=cfg.dmuon_locality_slack)
-        digests = [None] * dist.get_world_size(group)
-        dist.all_gather_object(digests, plan.digest, group=group)
+        digests = [plan.digest] * world
+        if group is not None:
+            dist.all_gather_object(digests, plan.digest, group=group)
         if len(set(digests)) != 1:
             raise RuntimeError(f"DMuon: owner plans differ across ranks ({digests}); the plan "
                                "must be deterministic (same model, same tuner cache on all ranks)")
@@ -406,13 +426,13 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
         return super().sharded_state_dict(*args, **kwargs)
 
     @staticmethod
-    def _check_whole(key, p, pieces, tp_size, group_size) -> None:
-        """Matrix placement: this DP rank's TP group must hold every TP shard of ``p`` whole."""
+    def _check_whole(key, p, pieces, holders: int) -> None:
+        """Matrix placement: this DP rank's TP group must hold every TP shard of ``p`` whole
+        (``holders``: how many TP shards or replicas the group holds)."""
         held = {}
         for _, trank, start, end, _ in pieces:
             held[trank] = held.get(trank, 0) + end - start
-        if len(held) != (tp_size if tp_partition_dim(p) is not None else group_size) or \
-                any(n != p.numel() for n in held.values()):
+        if len(held) != holders or any(n != p.numel() for n in held.values()):
             raise ValueError(
                 f"dmuon_placement='matrix': {key} is not whole on one data-parallel rank "
                 f"(TP shard elements held here: {held}, need {p.numel()} each). Build the "

@@ -3,8 +3,9 @@
 Megatron shards every bucket of a DDP buffer into equal contiguous ranges, one per
 data-parallel rank, cutting through matrices.  Under ``matrix_placement(...)`` each bucket
 is laid out by ``megatron_muon.placement.place_bucket`` instead: every Muon matrix (the
-TP-local shard of a unit) lies whole inside one DP rank's range, small non-Muon tensors fill
-the gaps, and the non-Muon tensors that do not fit go to a final, ordinarily sharded bucket.
+TP-local shard of a unit) lies whole inside one DP rank's range, the 1-D non-Muon tensors
+(norms, biases) fill the gaps, and 2-D non-Muon tensors (embeddings, output layer) get
+plain, evenly sharded buckets of their own (``matrix_layout``).
 Megatron's own reduce-scatter then leaves each matrix's full gradient on its owner, its
 ``DistributedOptimizer`` gives the owner the whole matrix as its shard, and DMuon
 (``dmuon_placement='matrix'``) runs Newton-Schulz locally: no data-parallel collective in
@@ -30,9 +31,10 @@ from ..placement import BucketPlacement, Item, place_bucket
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["matrix_placement", "matrix_layout", "MatrixLayout"]
+__all__ = ["matrix_placement", "matrix_placement_for", "matrix_layout", "MatrixLayout"]
 
 ALIGN = 64  # elements; Megatron aligns distributed-optimizer params to 64 as well
+MIN_MATRICES_PER_RANK = 2
 
 
 class MatrixLayout:
@@ -60,49 +62,69 @@ def _pad(n: int, k: int) -> int:
 def matrix_layout(params: list, names: dict, world: int, bucket_size: Optional[int],
                   is_muon: Callable, cost: Callable = lambda p: float(p.numel())) -> MatrixLayout:
     """The layout of one buffer whose ``params`` are in Megatron's order (bucket 0 holds the
-    last ones, whose gradients are ready first)."""
-    order = list(params)[::-1]
-    groups, cur, size = [], [], 0
-    for p in order:  # Megatron's bucketing: close a bucket once it holds >= bucket_size
+    last ones, whose gradients are ready first).
+
+    Megatron needs every bucket to be a contiguous run of ``params[::-1]``.  Runs are cut
+    as Megatron cuts them (>= ``bucket_size`` elements) but only once they hold
+    MIN_MATRICES_PER_RANK x world Muon matrices (whole matrices in equal shards pad heavily
+    when a bucket holds only a few); a 2-D non-Muon tensor (embedding, output layer) gets a
+    plain, evenly sharded bucket of its own.  Inside a matrix bucket, the 1-D tensors
+    (norms, biases) fill the gaps around the matrices.
+    """
+    runs, cur, size, mats = [], [], 0, 0
+
+    def close():
+        nonlocal cur, size, mats
+        if cur:
+            runs.append(("matrix" if mats else "plain", cur))
+        cur, size, mats = [], 0, 0
+
+    for p in list(params)[::-1]:
+        muon = bool(is_muon(names[p], p))
+        if not muon and p.dim() >= 2:
+            close()
+            runs.append(("plain", [p]))
+            continue
         cur.append(p)
         size += p.numel()
-        if bucket_size is not None and size >= bucket_size:
-            groups.append(cur)
-            cur, size = [], 0
-    if cur:
-        groups.append(cur)
+        mats += muon
+        if bucket_size is not None and size >= bucket_size and \
+                mats >= MIN_MATRICES_PER_RANK * world:
+            close()
+    close()
+    # merge neighbouring plain runs (fewer buckets)
+    merged = []
+    for kind, run in runs:
+        if merged and kind == "plain" and merged[-1][0] == "plain":
+            merged[-1] = ("plain", merged[-1][1] + run)
+        else:
+            merged.append((kind, run))
     layout = MatrixLayout()
-    offset, leftover = 0, []
-    for group in groups:
-        mats = [p for p in group if is_muon(names[p], p)]
-        fills = [p for p in group if not is_muon(names[p], p)]
-        if not mats:
-            leftover += fills
-            continue
-        key = {id(p): p for p in group}
-        pl = place_bucket([Item(id(p), p.numel(), cost(p)) for p in mats],
-                          [Item(id(p), p.numel()) for p in fills], world, align=ALIGN)
-        placed_fills = [p for p in fills if id(p) in pl.offsets]
-        leftover += [key[f.key] for f in pl.leftover]
+    offset = 0
+    carry = [(0, 0.0)] * world  # LPT loads carried across buckets
+    for kind, run in merged:
         bid = len(layout.bucket_indices)
-        for p in mats + placed_fills:
-            start = offset + pl.offsets[id(p)]
-            layout.param_index_map[p] = (start, start + p.numel(), bid)
-        layout.bucket_indices.append((offset, offset + pl.numel))
-        layout.per_bucket_numel_unpadded.append(sum(p.numel() for p in mats + placed_fills))
-        layout.placements.append(pl)
-        offset += pl.numel
-    if leftover:  # one ordinary bucket: contiguous, cut anywhere, padded to the DP size
-        bid, start = len(layout.bucket_indices), offset
-        rank_of = {id(p): i for i, p in enumerate(order)}
-        leftover.sort(key=lambda p: rank_of[id(p)])
-        for p in leftover:
-            layout.param_index_map[p] = (offset, offset + p.numel(), bid)
-            offset = _pad(offset + p.numel(), ALIGN)
-        end = start + _pad(offset - start, world * ALIGN)
-        layout.bucket_indices.append((start, end))
-        layout.per_bucket_numel_unpadded.append(sum(p.numel() for p in leftover))
-        layout.placements.append(None)
+        if kind == "plain":  # contiguous, cut anywhere, padded to the DP size
+            start = offset
+            for p in run:
+                layout.param_index_map[p] = (offset, offset + p.numel(), bid)
+                offset = _pad(offset + p.numel(), ALIGN)
+            offset = start + _pad(offset - start, world * ALIGN)
+            layout.placements.append(None)
+        else:
+            mats = [p for p in run if is_muon(names[p], p)]
+            fills = [p for p in run if not is_muon(names[p], p)]
+            pl = place_bucket([Item(id(p), p.numel(), cost(p)) for p in mats],
+                              [Item(id(p), p.numel()) for p in fills], world, align=ALIGN,
+                              carry=carry, place_all=True)
+            start = offset
+            for p in run:
+                pos = offset + pl.offsets[id(p)]
+                layout.param_index_map[p] = (pos, pos + p.numel(), bid)
+            offset += pl.numel
+            layout.placements.append(pl)
+        layout.bucket_indices.append((start, offset))
+        layout.per_bucket_numel_unpadded.append(sum(p.numel() for p in run))
     return layout
 
 
@@ -176,3 +198,12 @@ def matrix_placement(is_muon: Callable, cost: Optional[Callable] = None, log: bo
         yield
     finally:
         ddp_mod._ParamAndGradBuffer = base
+
+
+def matrix_placement_for(config, log: bool = True):
+    """``matrix_placement`` with the Muon/AdamW split of a ``DMuonOptimizerConfig`` or of
+    Megatron-LM ``args`` (``--dmuon-adam-params``), so the buffers and DMuon agree."""
+    from .params import is_muon_matrix
+
+    extra = getattr(config, "dmuon_adam_params", None)
+    return matrix_placement(lambda name, p: is_muon_matrix(name, p, extra), log=log)

@@ -126,7 +126,9 @@ class DMuonOverlap:
         for chunk in opt.model_chunks:
             for bg in list(chunk.bucket_groups) + list(chunk.expert_parallel_bucket_groups):
                 params = [p for p in bg.params if p in opt.model_param_gbuf_map]
-                keys = sorted({engine_bucket[p] for p in bg.params if p in engine_bucket})
+                # (with matrix placement the engine has only the buckets this DP rank holds)
+                keys = sorted({engine_bucket[p] for p in bg.params if p in engine_bucket}
+                              & set(self.engine.gather_tables))
                 if not keys:
                     continue
                 entries = []
@@ -230,7 +232,8 @@ class DMuonOverlap:
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
-        spec, eng = self.spec, self.engine
+        eng = self.engine
+        spec = self.spec if self.spec is not None and not self.spec.complete else self._begin()
         with span("dmuon.gather_wait"):
             for h in spec.gathers:
                 eng.finish(h, spec.owned)

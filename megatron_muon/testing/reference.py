@@ -12,15 +12,33 @@ from typing import Optional
 
 import torch
 
-from ..megatron.params import is_muon_matrix, muon_units
+from ..megatron.params import is_muon_matrix, muon_units, tp_partition_dim
 from ..muon import Muon
+from ..units import shard_units
 from .gpt import TinyGPTConfig, build_gpt, full_named_params, init_parallel, train_step
 
 __all__ = ["reference_train"]
 
 
+def _blockwise(units, name: str, p, model, tp: int) -> list:
+    """The per-TP-shard units Megatron's TP = ``tp`` would hold (TP1 coordinates)."""
+    dim = tp_partition_dim(p)
+    if dim is None or tp == 1:
+        return units
+    size = p.shape[dim]
+    if name.endswith("linear_fc1.weight") and model.config.gated_linear_unit:
+        h = size // (2 * tp)  # TP shard t holds gate_t and up_t
+        blocks = [((t * h, h), (size // 2 + t * h, h)) for t in range(tp)]
+    else:
+        blocks = [((t * size // tp, size // tp),) for t in range(tp)]
+    return shard_units(units, dim, blocks)
+
+
 def reference_train(cfg: dict, dp_size: int, steps: int = 3, opt: Optional[dict] = None,
-                    muon: bool = True, grad_hook_inf_step: Optional[int] = None) -> dict:
+                    muon: bool = True, grad_hook_inf_step: Optional[int] = None,
+                    tp_blockwise: int = 1) -> dict:
+    """``tp_blockwise > 1``: Newton-Schulz per TP shard of that TP size (the oracle of
+    ``dmuon_tp_mode='blockwise'``)."""
     from .workers import make_optimizer_config
 
     gcfg = TinyGPTConfig(**cfg)
@@ -37,8 +55,10 @@ def reference_train(cfg: dict, dp_size: int, steps: int = 3, opt: Optional[dict]
                              betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
     opts = [adam]
     if muon_params:
-        units = {p: muon_units(n, tuple(p.shape), model[0].config, split_qkv=o.muon_split_qkv,
-                               split_fc1=o.dmuon_split_fc1, tp_size=1)
+        units = {p: _blockwise(muon_units(n, tuple(p.shape), model[0].config,
+                                          split_qkv=o.muon_split_qkv,
+                                          split_fc1=o.dmuon_split_fc1, tp_size=1),
+                               n, p, model[0], tp_blockwise)
                  for n, p in muon_params.items()}
         opts.append(Muon(list(muon_params.values()), lr=o.lr, momentum=o.muon_momentum,
                          nesterov=o.muon_nesterov, weight_decay=o.weight_decay,

@@ -67,10 +67,9 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
     ocfg = make_optimizer_config(optimizer, **{"bf16": gcfg.bf16, "fp16": gcfg.fp16, **(opt or {})})
     placement = None
     if getattr(ocfg, "dmuon_placement", "dmuon") == "matrix":
-        from megatron_muon.megatron.matrix_placement import matrix_placement
-        from megatron_muon.megatron.params import is_muon_matrix
+        from megatron_muon.megatron.matrix_placement import matrix_placement_for
 
-        placement = matrix_placement(lambda n, p: is_muon_matrix(n, p, ocfg.dmuon_adam_params))
+        placement = matrix_placement_for(ocfg)
     model = build_gpt(gcfg, ddp_config=DistributedDataParallelConfig(**ddp_kwargs),
                       placement=placement)
     optim = get_megatron_optimizer(ocfg, model)
