@@ -205,7 +205,8 @@ def test_matrix_placement_equals_reference_with_no_dp_collective(layout):
         if r["layout"]["tp_size"] == 1:  # the whole Muon step is local
             assert st["comm"]["calls"] == 0 and not r["muon_collectives"]
         else:  # only the TP exchange that joins a unit's two TP shards
-            assert st["comm"]["bytes_sent"] > 0 and all(len(g) == 2 for _, g, _ in r["muon_collectives"])
+            assert st["comm"]["bytes_sent"] > 0
+            assert all(len(g) == 2 for _, g, _ in r["muon_collectives"])
     # every unit is orthogonalised exactly once, by a rank of the DP rank that holds it
     ref = reference()["params"]
     total = sum(p.numel() for n, p in ref.items() if is_muon_matrix(n, p))
@@ -244,7 +245,8 @@ def test_blockwise_tp_mode_equals_per_shard_reference_and_is_labelled(placement)
     exact = reference()["params"]
     assert max((full[n] - exact[n]).abs().max().item() for n in full) > 100 * ATOL
     for r in results:  # never a collective within the TP group
-        tp_peers = {q["rank"] for q in results if q["layout"]["dp"] == r["layout"]["dp"]} - {r["rank"]}
+        tp_peers = {q["rank"] for q in results
+                    if q["layout"]["dp"] == r["layout"]["dp"]} - {r["rank"]}
         assert not any(set(g) & tp_peers for _, g, _ in r["muon_collectives"])
         if placement == "matrix":
             assert not r["muon_collectives"]

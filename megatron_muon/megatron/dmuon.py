@@ -410,7 +410,8 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
 
     @torch.no_grad()
     def publish_param(self, model_param, main_param) -> None:
-        """Megatron's main -> param-buffer copy (``_copy_main_params_to_model_params``), one param."""
+        """Megatron's main -> param-buffer copy (``_copy_main_params_to_model_params``) of one
+        parameter."""
         world_range = self._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
         gbuf_index, _, bucket_id = self.model_param_gbuf_map[model_param]
         buf = self.buffers[gbuf_index].buckets[bucket_id].param_data

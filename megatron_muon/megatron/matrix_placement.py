@@ -175,7 +175,8 @@ def matrix_placement(is_muon: Callable, cost: Optional[Callable] = None, log: bo
             if not ddp_config.use_distributed_optimizer:
                 raise ValueError("matrix placement shards the distributed optimizer's buffers: "
                                  "set use_distributed_optimizer=True")
-            plist = [p for p, _ in params] if params and isinstance(params[0], tuple) else list(params)
+            plist = [p for p, _ in params] if params and isinstance(params[0], tuple) \
+                else list(params)  # 0.19: (param, name) pairs
             world = data_parallel_group.size()
             layout = matrix_layout(plist, param_to_name, world, bucket_size, is_muon, weigh)
             self.matrix_layout = layout
