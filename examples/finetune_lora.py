@@ -318,9 +318,9 @@ def build_base_model(args, arch: dict):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
-    cpu_only = {} if torch.cuda.is_available() else dict(
-        use_cpu_initialization=True, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, batch_p2p_sync=False)
+    from megatron_muon.megatron.cpu_mode import cpu_transformer_config
+
+    cpu_only = cpu_transformer_config()  # {} on GPUs
     config = TransformerConfig(
         num_layers=arch["num_layers"], hidden_size=arch["hidden_size"],
         ffn_hidden_size=arch["ffn_hidden_size"], num_attention_heads=args.num_attention_heads,

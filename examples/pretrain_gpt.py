@@ -394,13 +394,12 @@ def build_model(args) -> list:
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import Float16Module
 
+    from megatron_muon.megatron.cpu_mode import cpu_transformer_config
     from megatron_muon.testing.gpt import wire_ddp_hooks
 
     on_gpu = torch.cuda.is_available()
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    cpu_only = {} if on_gpu else dict(  # fused kernels and p2p syncs that need CUDA
-        use_cpu_initialization=True, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, batch_p2p_sync=False)
+    cpu_only = cpu_transformer_config()  # {} on GPUs
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,

@@ -69,6 +69,15 @@ def test_dmuon_equals_reference(layout):
     assert_matches(merged_params(train(layout)), reference())
 
 
+def test_interleaved_pipeline_equals_reference():
+    """PP2 x VPP2 (Megatron's interleaved schedule), DMuon with the overlap on."""
+    res = run_ranks("megatron_muon.testing.workers:train_megatron", 2,
+                    dict(cfg={"num_microbatches": 4}, pp=2, vpp=2, optimizer="dmuon", opt=OPT,
+                         steps=STEPS, ddp=dict(overlap_grad_reduce=True)), timeout=300)
+    assert len({n for r in res for n in r["params"]}) == len(reference()["params"])
+    assert_matches({n: t for r in res for n, t in r["params"].items()}, reference())
+
+
 def test_tp1_and_tp2_give_the_same_update():
     a, b = merged_params(train("dp4")), merged_params(train("tp2dp2"))
     assert max((a[n] - b[n]).abs().max().item() for n in a) < ATOL

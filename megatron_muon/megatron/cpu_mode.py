@@ -23,7 +23,8 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["enable_cpu_mode", "cpu_mode_active", "default_backend", "default_device"]
+__all__ = ["enable_cpu_mode", "cpu_mode_active", "default_backend", "default_device",
+           "cpu_transformer_config"]
 
 _ACTIVE = False
 _LOCK = threading.Lock()
@@ -41,6 +42,22 @@ def default_backend() -> str:
 
 def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else _CPU
+
+
+def cpu_transformer_config() -> dict:
+    """``TransformerConfig`` fields a CPU (gloo) run needs; ``{}`` when CUDA is present.
+
+    Fused kernels and p2p syncs need CUDA.  ``batch_p2p_comm=False``: gloo runs a batched
+    p2p as isend/irecv in the order [send_prev, recv_prev, send_next, recv_next] and pairs
+    same-peer messages by order, so with PP = 2 under the interleaved schedule (prev ==
+    next) a backward grad lands in a forward-activation buffer; Megatron's unbatched p2p
+    orders the two sides consistently (PP2 x VPP2 is then bitwise PP2).
+    """
+    if torch.cuda.is_available():
+        return {}
+    return dict(use_cpu_initialization=True, bias_dropout_fusion=False,
+                masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+                batch_p2p_sync=False, batch_p2p_comm=False)
 
 
 def _is_cuda(dev) -> bool:

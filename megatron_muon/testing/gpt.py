@@ -75,18 +75,20 @@ def transformer_config(cfg: TinyGPTConfig):
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
 
+    from ..megatron.cpu_mode import cpu_transformer_config
+
     kwargs = dict(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.ffn_hidden_size, num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups, use_cpu_initialization=True,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        pipeline_dtype=_dtype(cfg), params_dtype=_dtype(cfg), bf16=cfg.bf16, fp16=cfg.fp16, add_bias_linear=cfg.add_bias_linear, gated_linear_unit=cfg.swiglu,
-        hidden_dropout=0.0, attention_dropout=0.0, batch_p2p_sync=False,
-        num_moe_experts=cfg.num_moe_experts,
-        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        pipeline_dtype=_dtype(cfg), params_dtype=_dtype(cfg), bf16=cfg.bf16, fp16=cfg.fp16,
+        add_bias_linear=cfg.add_bias_linear, gated_linear_unit=cfg.swiglu,
+        hidden_dropout=0.0, attention_dropout=0.0, num_moe_experts=cfg.num_moe_experts,
+        gradient_accumulation_fusion=False,
     )
+    kwargs.update(cpu_transformer_config())
     if cfg.swiglu:
         kwargs["activation_func"] = torch.nn.functional.silu
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
