@@ -80,7 +80,8 @@ def place_bucket(matrices: Sequence[Item], fillers: Sequence[Item], world: int,
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     keys = [m.key for m in matrices] + [f.key for f in fillers]
-    if len(set(keys)) != len(keys):
+    position = {k: i for i, k in enumerate(keys)}
+    if len(position) != len(keys):
         raise ValueError("duplicate keys in a bucket placement")
     def fp(n: int) -> int:  # footprint: every tensor starts ``align``-aligned
         return -(-n // align) * align
@@ -113,17 +114,16 @@ def place_bucket(matrices: Sequence[Item], fillers: Sequence[Item], world: int,
             continue
         fill[r].append(f)
         sizes[r] += fp(f.numel)
-    shard = max(sizes + [1])
-    shard = -(-shard // align) * align
+    shard = fp(max(sizes + [1]))
     if carry is not None:
         carry[:] = [(prior[q][0] + loads_b[q], prior[q][1] + loads_c[q]) for q in range(world)]
     pl = BucketPlacement(world=world, shard_numel=shard, matrix_numel=loads_b,
                          filler_numel=[sum(f.numel for f in fs) for fs in fill], cost=loads_c,
-                         leftover=sorted(leftover, key=lambda f: keys.index(f.key)))
+                         leftover=sorted(leftover, key=lambda f: position[f.key]))
     for r in range(world):
         pos = r * shard
         # matrices in their input order (backward order for Megatron), then the fillers
-        for item in sorted(mine[r], key=lambda m: keys.index(m.key)) + fill[r]:
+        for item in sorted(mine[r], key=lambda m: position[m.key]) + fill[r]:
             pl.offsets[item.key] = pos
             pl.owner[item.key] = r
             pos += fp(item.numel)

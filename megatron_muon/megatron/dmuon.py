@@ -233,10 +233,12 @@ class ShardedMuonStep(torch.optim.Optimizer):
             raise FloatingPointError(
                 "DMuon: non-finite (NaN/Inf) Muon gradient or momentum; with fp16 use a loss "
                 "scaler, otherwise check the data and the learning rate")
-        lr_wd = {p: (g["lr"], g["weight_decay"]) for g in self.param_groups for p in g["params"]}
-        out = self.overlap.take(flat, lr_wd) if self.overlap is not None else None
-        if out is not None and out.numel() == 0:
-            return  # deferred: each bucket's update lands before its param all-gather
+        out = None
+        if self.overlap is not None:
+            out = self.overlap.take(flat, {p: (g["lr"], g["weight_decay"])
+                                           for g in self.param_groups for p in g["params"]})
+            if self.overlap.deferred is not None:
+                return  # each bucket's update lands before its param all-gather
         if out is None:
             out = self.engine.run(flat)
         for group in self.param_groups:

@@ -60,7 +60,7 @@ def _pad(n: int, k: int) -> int:
 
 
 def matrix_layout(params: list, names: dict, world: int, bucket_size: Optional[int],
-                  is_muon: Callable, cost: Callable = lambda p: float(p.numel())) -> MatrixLayout:
+                  is_muon: Callable, cost: Optional[Callable] = None) -> MatrixLayout:
     """The layout of one buffer whose ``params`` are in Megatron's order (bucket 0 holds the
     last ones, whose gradients are ready first).
 
@@ -69,8 +69,11 @@ def matrix_layout(params: list, names: dict, world: int, bucket_size: Optional[i
     MIN_MATRICES_PER_RANK x world Muon matrices (whole matrices in equal shards pad heavily
     when a bucket holds only a few); a 2-D non-Muon tensor (embedding, output layer) gets a
     plain, evenly sharded bucket of its own.  Inside a matrix bucket, the 1-D tensors
-    (norms, biases) fill the gaps around the matrices.
+    (norms, biases) fill the gaps around the matrices.  ``cost(param)`` weighs the NS load
+    (default: its size).
     """
+    cost = cost or (lambda p: float(p.numel()))
+    muon = {p: bool(is_muon(names[p], p)) for p in params}
     runs, cur, size, mats = [], [], 0, 0
 
     def close():
@@ -80,14 +83,13 @@ def matrix_layout(params: list, names: dict, world: int, bucket_size: Optional[i
         cur, size, mats = [], 0, 0
 
     for p in list(params)[::-1]:
-        muon = bool(is_muon(names[p], p))
-        if not muon and p.dim() >= 2:
+        if not muon[p] and p.dim() >= 2:
             close()
             runs.append(("plain", [p]))
             continue
         cur.append(p)
         size += p.numel()
-        mats += muon
+        mats += muon[p]
         if bucket_size is not None and size >= bucket_size and \
                 mats >= MIN_MATRICES_PER_RANK * world:
             close()
@@ -112,8 +114,8 @@ def matrix_layout(params: list, names: dict, world: int, bucket_size: Optional[i
             offset = start + _pad(offset - start, world * ALIGN)
             layout.placements.append(None)
         else:
-            mats = [p for p in run if is_muon(names[p], p)]
-            fills = [p for p in run if not is_muon(names[p], p)]
+            mats = [p for p in run if muon[p]]
+            fills = [p for p in run if not muon[p]]
             pl = place_bucket([Item(id(p), p.numel(), cost(p)) for p in mats],
                               [Item(id(p), p.numel()) for p in fills], world, align=ALIGN,
                               carry=carry, place_all=True)
@@ -167,7 +169,6 @@ def matrix_placement(is_muon: Callable, cost: Optional[Callable] = None, log: bo
 
     base = ddp_mod._ParamAndGradBuffer
     takes_layout = "param_layout" in inspect.signature(base.__init__).parameters
-    weigh = cost or (lambda p: float(p.numel()))
 
     class MatrixPlacedBuffer(base):
         def __init__(self, ddp_config, param_dtype, grad_dtype, params, data_parallel_group,
@@ -178,7 +179,7 @@ def matrix_placement(is_muon: Callable, cost: Optional[Callable] = None, log: bo
             plist = [p for p, _ in params] if params and isinstance(params[0], tuple) \
                 else list(params)  # 0.19: (param, name) pairs
             world = data_parallel_group.size()
-            layout = matrix_layout(plist, param_to_name, world, bucket_size, is_muon, weigh)
+            layout = matrix_layout(plist, param_to_name, world, bucket_size, is_muon, cost)
             self.matrix_layout = layout
             if takes_layout:
                 from megatron.core.optimizer.param_layout import PerBufferParamLayout

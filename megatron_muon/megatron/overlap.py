@@ -199,6 +199,7 @@ class DMuonOverlap:
         if self.spec is not None:  # never consumed (skipped step, or no optimizer.step())
             self.spec.drain(self.engine)
             self.stats.dropped += 1
+        self.step_opt.init_state()  # momentum buffers exist from the first step on
         dev = self.engine.device
         self.spec = _Speculation(
             flat=torch.zeros(self.step_opt.numel, dtype=torch.float32, device=dev),
@@ -216,12 +217,11 @@ class DMuonOverlap:
             if handle is not None:
                 handle.wait()  # Megatron waits again (a no-op) in finish_grad_sync
             step = self.step_opt
-            step.init_state()
             scaler = self.opt.grad_scaler
+            found = torch.zeros(1, dtype=torch.float32, device=spec.flat.device)  # ignored
             for e in g.entries:
                 grad = e.model_param.main_grad.view(-1)[e.start: e.end].float().clone()
                 if scaler is not None:  # the unscale Megatron applies in prepare_grads
-                    found = torch.zeros(1, dtype=torch.float32, device=grad.device)
                     torch._amp_foreach_non_finite_check_and_unscale_([grad], found,
                                                                       scaler.inv_scale)
                 buf = step.state[e.main_param]["momentum_buffer"].clone()
@@ -254,8 +254,8 @@ class DMuonOverlap:
     def take(self, flat: torch.Tensor, lr_wd: dict) -> Optional[torch.Tensor]:
         """The speculative NS output if it was computed from exactly ``flat`` on every rank.
 
-        With ``param_update`` a used speculation is kept as deferred work (``flush``) and
-        the method returns an empty tensor: the caller must not apply the update itself.
+        With ``param_update`` a used speculation is kept as deferred work (``flush``):
+        ``self.deferred`` is then set and the caller must not apply the update itself.
         """
         spec, self.spec = self.spec, None
         ok = spec is not None and spec.complete and torch.equal(flat, spec.flat)
@@ -266,9 +266,9 @@ class DMuonOverlap:
             return None
         if int(agree.item()) == 1:
             self.stats.used += 1
-            if self.param_update:
+            if self.param_update and self.groups:
                 self.deferred = _Deferred(spec, lr_wd)
-                return flat.new_empty(0)
+                return spec.out
             with span("dmuon.scatter_wait"):
                 spec.drain(self.engine)
             return spec.out
