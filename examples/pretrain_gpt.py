@@ -96,6 +96,9 @@ def get_args(argv=None) -> argparse.Namespace:
                         "(default: 4 on CPU, the number of GPUs with CUDA)")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="DDP bucket size in elements (Megatron's default without it); under "
+                        "--dmuon-zero3 the bucket is the unit gathered for forward/backward")
 
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4)
@@ -185,8 +188,9 @@ def check_args(args, world_size: int) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     if args.lr <= 0 or args.min_lr < 0 or args.min_lr > args.lr:
         raise UsageError(f"need 0 <= --min-lr <= --lr and --lr > 0 (got {args.min_lr}, {args.lr})")
-    if not 0 <= args.lr_warmup_iters <= args.lr_decay_iters:
-        raise UsageError("--lr-warmup-iters must be between 0 and --lr-decay-iters")
+    if not 0 <= args.lr_warmup_iters < args.lr_decay_iters:
+        raise UsageError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be >= 0 and below "
+                         f"--lr-decay-iters ({args.lr_decay_iters}, default --train-iters)")
     if args.save_interval is not None and (args.save is None or args.save_interval < 1):
         raise UsageError("--save-interval needs --save DIR and a value >= 1")
     if args.transformer_impl == "transformer_engine" and not torch.cuda.is_available():
@@ -431,7 +435,7 @@ def build_model(args) -> list:
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True,
         overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather)
+        overlap_param_gather=args.overlap_param_gather, bucket_size=args.ddp_bucket_size)
     placement = contextlib.nullcontext()
     if getattr(args, "dmuon_placement", "dmuon") == "matrix":  # MatrixFSDP buffers
         from megatron_muon.megatron.matrix_placement import matrix_placement_for

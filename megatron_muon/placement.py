@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Optional, Sequence
 
-__all__ = ["Item", "BucketPlacement", "place_bucket"]
+__all__ = ["Item", "BucketPlacement", "place_bucket", "permute_shards"]
 
 
 @dataclass(frozen=True)
@@ -128,3 +128,30 @@ def place_bucket(matrices: Sequence[Item], fillers: Sequence[Item], world: int,
             pl.owner[item.key] = r
             pos += fp(item.numel)
     return pl
+
+
+
+def permute_shards(pl: BucketPlacement, held: list) -> BucketPlacement:
+    """Hand the bucket's shards to the ranks so that the fullest shard goes to the rank that
+    holds the fewest elements so far (``held``, per rank, updated in place).
+
+    ZeRO-3 stores on each rank only what it owns, so what matters is the total over all
+    buckets; permuting whole shards keeps each bucket as balanced (as little padded) as
+    ``place_bucket`` made it and balances the totals.  Deterministic."""
+    world, shard = pl.world, pl.shard_numel
+    used = [pl.matrix_numel[q] + pl.filler_numel[q] for q in range(world)]
+    slots = sorted(range(world), key=lambda q: (-used[q], q))
+    ranks = sorted(range(world), key=lambda q: (held[q], q))
+    to = dict(zip(slots, ranks))
+    out = BucketPlacement(world=world, shard_numel=shard, leftover=list(pl.leftover),
+                          matrix_numel=[0] * world, filler_numel=[0] * world, cost=[0.0] * world)
+    for src, dst in to.items():
+        out.matrix_numel[dst] = pl.matrix_numel[src]
+        out.filler_numel[dst] = pl.filler_numel[src]
+        out.cost[dst] = pl.cost[src]
+        held[dst] += used[src]
+    for key, off in pl.offsets.items():
+        src = pl.owner[key]
+        out.owner[key] = to[src]
+        out.offsets[key] = off - src * shard + to[src] * shard
+    return out

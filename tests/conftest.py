@@ -29,6 +29,7 @@ MEGATRON_AGNOSTIC = {"test_kernels.py", "test_tuner.py", "test_smuon.py",
 # already check on both versions; it runs in the primary lane only.  So do the overlap's
 # DP2 / PP2 cases and matrix placement's DP4 case (the secondary lane keeps PP2 x DP2 and
 # TP2 x DP2, which exercise the same hooks and layouts), and the counter's sanity check.
+# ZeRO-3: the secondary lane keeps DP4 (vs the reference, memory) and the checkpoint test.
 PRIMARY_LANE_ONLY = {
     ("test_pretrain_example.py", "test_save_and_resume_match_an_uninterrupted_run"),
     ("test_overlap.py", "test_overlapped_dmuon_equals_plain_dmuon[dp2]"),
@@ -36,6 +37,11 @@ PRIMARY_LANE_ONLY = {
     ("test_dmuon.py", "test_matrix_placement_equals_reference_with_no_dp_collective[dp4]"),
     ("test_dmuon.py", "test_collective_counter_sees_dp_traffic_of_plain_dmuon"),
     ("test_dmuon.py", "test_blockwise_tp_mode_equals_per_shard_reference_and_is_labelled[dmuon]"),
+    ("test_dmuon.py", "test_zero3_equals_reference_and_stores_each_parameter_once[pp2dp2]"),
+    ("test_dmuon.py", "test_zero3_clear_errors"),
+    ("test_dmuon.py", "test_zero3_interleaved_pipeline_equals_reference"),
+    ("test_dmuon.py", "test_zero3_fp16_clip_and_found_inf_equal_zero1"),
+    ("test_dmuon.py", "test_zero3_tied_embeddings_equal_reference"),
 }
 
 

@@ -24,6 +24,8 @@ def cfg(**kw):
     (dict(use_distributed_optimizer=False), "use_distributed_optimizer=True"),
     (dict(optimizer="lamb"), "optimizer must be one of"),
     (dict(dmuon_plan_cost="guess"), "dmuon_plan_cost"),
+    (dict(dmuon_zero3=True), "dmuon_zero3=True needs optimizer='dmuon' and dmuon_placement='matrix'"),
+    (dict(dmuon_zero3=True, dmuon_placement="matrix", optimizer="muon_naive"), "dmuon_zero3"),
 ])
 def test_bad_config_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -62,3 +64,8 @@ def test_dmuon_without_distributed_optimizer_buffers_is_a_clear_error():
     (msg,) = run_ranks("test_config:build_error", 1, dict(ddp_distopt=False), timeout=100,
                        env={"PYTHONPATH": __import__("os").path.dirname(__file__)})
     assert "use_distributed_optimizer must be True" in msg
+
+
+def test_zero3_turns_the_overlap_off():
+    c = cfg(dmuon_zero3=True, dmuon_placement="matrix")
+    assert not (c.dmuon_overlap or c.dmuon_overlap_bucket_gather or c.dmuon_overlap_param_update)

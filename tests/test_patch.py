@@ -213,6 +213,7 @@ CASES = {
     "bad_scalar": GOOD + ["--muon-scalar-optimizer", "lion"],
     "bad_plan_choice": GOOD + ["--dmuon-plan-cost", "magic"],
     "bad_optimizer": ["--optimizer", "dmuonn", "--use-distributed-optimizer"],
+    "zero3_no_overlap": GOOD + ["--dmuon-placement", "matrix", "--dmuon-zero3"],
 }
 
 
@@ -256,6 +257,7 @@ def test_patched_parser_accepts_dmuon(parsed):
     ("bad_scalar", "invalid", "--muon-scalar-optimizer lion is not supported"),
     ("bad_plan_choice", "argparse", "argument --dmuon-plan-cost: invalid choice: 'magic'"),
     ("bad_optimizer", "argparse", "argument --optimizer: invalid choice: 'dmuonn'"),
+    ("zero3_no_overlap", "invalid", "--dmuon-zero3 reduces gradients bucket by bucket"),
 ])
 def test_patched_parser_rejects_bad_values(parsed, case, status, message):
     assert parsed[case]["status"] == status, parsed[case]
@@ -306,24 +308,28 @@ subs = [type(o).__name__ for o in optimizer.chained_optimizers]
 cfg = optimizer.chained_optimizers[0].config
 print("SETUP", type(optimizer).__name__, ",".join(subs), type(cfg).__name__, cfg.optimizer,
       cfg.muon_coefficient_type, type(scheduler).__name__, type(model[0].buffers[0]).__name__,
-      cfg.dmuon_placement)
+      cfg.dmuon_placement, "zero3" if hasattr(model[0], "matrix_zero3") else "zero1")
 dist.destroy_process_group()
 """
 
 
 @needs_training
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("placement", ["dmuon", "matrix"])
+@pytest.mark.parametrize("placement", ["dmuon", "matrix", "zero3"])
 def test_patched_training_builds_dmuon_optimizer(patched_tree, placement):
     """Megatron-LM's own setup_model_and_optimizer, patched, on one CPU rank (gloo); with
-    --dmuon-placement matrix its get_model builds MatrixFSDP-placed DDP buffers."""
+    --dmuon-placement matrix its get_model builds MatrixFSDP-placed DDP buffers, and with
+    --dmuon-zero3 the parameters are sharded whole (ZeRO-3)."""
     from megatron_muon.testing.launch import free_port
 
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(patched_tree), str(REPO),
                                            os.environ.get("PYTHONPATH", "")]))
-    driver = _SETUP_DRIVER.replace("+ EXTRA", f"+ {['--dmuon-placement', placement]!r}")
+    extra = ["--dmuon-placement", "dmuon" if placement == "dmuon" else "matrix"]
+    if placement == "zero3":
+        extra += ["--dmuon-zero3", "--overlap-grad-reduce"]
+    driver = _SETUP_DRIVER.replace("+ EXTRA", f"+ {extra!r}")
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", driver], capture_output=True,
                          text=True, timeout=240, env=env)
     lines = [l for l in out.stdout.splitlines() if l.startswith("SETUP ")]
@@ -331,7 +337,8 @@ def test_patched_training_builds_dmuon_optimizer(patched_tree, placement):
     assert lines[-1].split()[1:] == [
         "ChainedOptimizer", "DMuonDistributedOptimizer,SubsetDistributedOptimizer",
         "DMuonOptimizerConfig", "dmuon", "simple", "OptimizerParamScheduler",
-        "MatrixPlacedBuffer" if placement == "matrix" else "_ParamAndGradBuffer", placement]
+        "_ParamAndGradBuffer" if placement == "dmuon" else "MatrixPlacedBuffer", extra[1],
+        "zero3" if placement == "zero3" else "zero1"]
 
 
 # --------------------------------------------------------------------------- plain argparse
@@ -393,6 +400,7 @@ def test_every_config_field_has_a_flag():
     (["--muon-extra-scale-factor", "0"], "--muon-extra-scale-factor must be a finite number > 0"),
     (["--dmuon-adam-params", "(unclosed"], "--dmuon-adam-params '(unclosed' is not a valid"),
     (["--dmuon-locality-slack", "-1"], "--dmuon-locality-slack must be a finite number >= 0"),
+    (["--dmuon-zero3"], "--dmuon-zero3 needs --optimizer dmuon --dmuon-placement matrix"),
 ])
 def test_validate_dmuon_args_messages(argv, message):
     from megatron_muon.megatron.arguments import DMuonArgumentError, validate_dmuon_args

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from megatron_muon.placement import Item, place_bucket
+from megatron_muon.placement import Item, permute_shards, place_bucket
 
 
 def check_layout(pl, matrices, fillers):
@@ -82,3 +82,30 @@ def test_carry_balances_load_across_buckets():
               for i in range(8)]
     assert sorted(owners) == [0, 0, 1, 1, 2, 2, 3, 3]
     assert [c[0] for c in carry] == [200] * 4
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_permuted_shards_balance_what_each_rank_stores(world):
+    """ZeRO-3: buckets of two GPT layers each; handing each bucket's shards to the ranks
+    that hold least so far balances the totals, while every bucket keeps its layout."""
+    held = [0] * world
+    plain_held = [0] * world
+    total = 0
+    for b in range(6):
+        mats, fills = gpt_layer_items(2, 256, 1024)
+        mats = [Item(f"{b}.{m.key}", m.numel, m.cost) for m in mats]
+        fills = [Item(f"{b}.{f.key}", f.numel) for f in fills]
+        pl = place_bucket(mats, fills, world, place_all=True)
+        out = permute_shards(pl, held)
+        check_layout(out, mats, fills)
+        assert out.shard_numel == pl.shard_numel and out.padding == pl.padding
+        assert sorted(out.matrix_numel) == sorted(pl.matrix_numel)
+        for key, r in pl.owner.items():  # same position inside the (moved) shard
+            assert out.offsets[key] - out.owner[key] * out.shard_numel == \
+                pl.offsets[key] - r * pl.shard_numel
+        for q in range(world):
+            plain_held[q] += pl.matrix_numel[q] + pl.filler_numel[q]
+        total += sum(pl.matrix_numel) + sum(pl.filler_numel)
+    assert sum(held) == total
+    assert max(held) <= max(plain_held)
+    assert max(held) / (total / world) - 1 < 0.10, held

@@ -119,6 +119,11 @@ def _dmuon_arguments():
          dict(type=str, choices=placements, help="Which ranks own the Muon units: dmuon "
               "(anywhere in the stage's DP x TP group) or matrix (MatrixFSDP: whole matrices "
               "per DP rank; build the model inside megatron_muon.megatron.matrix_placement).")),
+        ("dmuon_zero3", "--dmuon-zero3",
+         dict(action="store_true", help="With --dmuon-placement matrix: ZeRO-3, parameters "
+              "stored only on their owner DP rank, gathered bucket by bucket for forward and "
+              "backward (needs --overlap-grad-reduce; the bucket is the gather unit). Turns the "
+              "DMuon overlap off (the Muon step has no data-parallel collective).")),
         ("dmuon_tp_mode", "--dmuon-tp-mode",
          dict(type=str, choices=["exact", "blockwise"], help="exact: Newton-Schulz on whole "
               "(TP-unsharded) units, TP-invariant; blockwise: on each TP rank's shard "
@@ -147,8 +152,8 @@ MUON_ARGUMENTS = ("muon_momentum", "muon_nesterov", "muon_num_ns_steps",
                   "muon_fp32_matmul_prec", "muon_split_qkv")
 DMUON_ARGUMENTS = ("dmuon_split_fc1", "dmuon_adam_params", "dmuon_plan_cost",
                    "dmuon_tuner_cache", "dmuon_ns_backend", "dmuon_locality_slack",
-                   "dmuon_log_plan", "dmuon_check_finite", "dmuon_placement", "dmuon_tp_mode",
-                   "dmuon_overlap",
+                   "dmuon_log_plan", "dmuon_check_finite", "dmuon_placement", "dmuon_zero3",
+                   "dmuon_tp_mode", "dmuon_overlap",
                    "dmuon_overlap_bucket_gather", "dmuon_overlap_param_update",
                    "dmuon_trace_dir")
 
@@ -261,6 +266,14 @@ def validate_dmuon_args(args: Any, parser: Optional[argparse.ArgumentParser] = N
         value = get(dest, allowed[0])
         if value not in allowed:
             _fail(f"{flag} {value!r} is unknown; choose one of {', '.join(allowed)}", parser)
+    if get("dmuon_zero3"):
+        if optimizer != "dmuon" or get("dmuon_placement", "dmuon") != "matrix":
+            _fail("--dmuon-zero3 needs --optimizer dmuon --dmuon-placement matrix", parser)
+        if get("overlap_grad_reduce") is False:
+            _fail("--dmuon-zero3 reduces gradients bucket by bucket in the backward: add "
+                  "--overlap-grad-reduce", parser)
+        if (get("num_experts") or 0) > 0:
+            _fail("--dmuon-zero3 supports dense models only (no --num-experts)", parser)
     return args
 
 

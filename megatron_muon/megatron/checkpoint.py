@@ -55,12 +55,15 @@ def save_checkpoint(directory: str, model: list, optimizer, step: int, scheduler
     """Write ``directory/iter_{step:07d}`` and a ``latest`` pointer; returns the path."""
     from megatron.core import dist_checkpointing
 
+    from .zero3 import gathered_params
+
     path = os.path.join(directory, f"iter_{step:07d}")
     sync_params(model)
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(model, optimizer, scheduler, step, False), path)
+    with gathered_params(model):  # ZeRO-3: parameters materialised while they are written
+        dist_checkpointing.save(_sharded_state(model, optimizer, scheduler, step, False), path)
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(directory, "latest"), "w") as fh:
@@ -83,12 +86,16 @@ def load_checkpoint(directory: str, model: list, optimizer, scheduler=None,
     path = os.path.join(directory, f"iter_{step:07d}")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
-    state = dist_checkpointing.load(_sharded_state(model, optimizer, scheduler, step, True), path)
-    if len(model) == 1:
-        _unwrap(model[0]).load_state_dict(state["model"])
-    else:
-        for i, m in enumerate(model):
-            _unwrap(m).load_state_dict(state[f"model{i}"])
+    from .zero3 import gathered_params
+
+    with gathered_params(model):  # ZeRO-3: each rank keeps what it owns of the loaded model
+        state = dist_checkpointing.load(_sharded_state(model, optimizer, scheduler, step, True),
+                                        path)
+        if len(model) == 1:
+            _unwrap(model[0]).load_state_dict(state["model"])
+        else:
+            for i, m in enumerate(model):
+                _unwrap(m).load_state_dict(state[f"model{i}"])
     optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and "opt_param_scheduler" in state:
         scheduler.load_state_dict(state["opt_param_scheduler"])

@@ -63,6 +63,11 @@ class DMuonOptimizerConfig(OptimizerConfig):
     """'dmuon': owners anywhere in the stage's DP x TP group, Megatron's even buffer shards;
     'matrix': MatrixFSDP placement, every unit whole on one DP rank (build the DDP model
     inside ``megatron_muon.megatron.matrix_placement``): no DP bytes in the Muon step."""
+    dmuon_zero3: bool = False
+    """With dmuon_placement='matrix': ZeRO-3, the parameters themselves sharded whole: each
+    parameter is stored only on its owner, gathered bucket by bucket for forward and
+    backward, gradients reduce-scattered per bucket and microbatch
+    (``megatron_muon.megatron.zero3``; DDP needs overlap_grad_reduce=True)."""
 
     dmuon_tp_mode: str = "exact"
     """'exact': NS on whole (TP-unsharded) units, TP-invariant; 'blockwise': NS on each TP
@@ -108,6 +113,12 @@ class DMuonOptimizerConfig(OptimizerConfig):
             raise ValueError(f"dmuon_tp_mode must be one of {TP_MODES}, got {self.dmuon_tp_mode!r}")
         if self.dmuon_placement not in PLACEMENTS:
             raise ValueError(f"dmuon_placement must be one of {PLACEMENTS}, got {self.dmuon_placement!r}")
+        if self.dmuon_zero3 and (self.dmuon_placement != "matrix" or self.optimizer != "dmuon"):
+            raise ValueError("dmuon_zero3=True needs optimizer='dmuon' and "
+                             f"dmuon_placement='matrix' (got {self.optimizer!r}, "
+                             f"{self.dmuon_placement!r})")
+        if self.dmuon_zero3:  # the Muon step has no DP collective left to hide
+            self.dmuon_overlap = False
         if not self.dmuon_overlap:  # the refinements need the speculative owner work
             self.dmuon_overlap_bucket_gather = self.dmuon_overlap_param_update = False
         if self.optimizer in MUON_OPTIMIZERS and not self.use_distributed_optimizer:

@@ -149,6 +149,37 @@ class _SubsetMixin:
                              f"megatron_muon writes {self.CHECKPOINT_FORMAT!r}")
         return state_dict, param_state
 
+    # -- ZeRO-3 (megatron_muon.megatron.zero3): owned parameters live in per-bucket shards --
+    @property
+    def zero3(self) -> bool:
+        from .zero3 import zero3_of
+
+        return any(zero3_of(c) is not None for c in self.model_chunks)
+
+    def _model_shard(self, model_param) -> torch.Tensor:
+        """Where this rank's slice of ``model_param`` is published after the step: the DP
+        shard of its bucket's param buffer (all-gathered after the step), or under ZeRO-3
+        the owned parameter itself (which nothing needs to gather)."""
+        if self.zero3:
+            r = self._get_model_param_range_map(model_param)["param"]
+            return model_param.detach().view(-1)[r.start: r.end]
+        world_range = self._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
+        gbuf_index, _, bucket_id = self.model_param_gbuf_map[model_param]
+        buf = self.buffers[gbuf_index].buckets[bucket_id].param_data
+        return buf.view(-1)[world_range.start: world_range.end]
+
+    @torch.no_grad()
+    def _copy_main_params_to_model_params(self):
+        if not self.zero3:
+            return super()._copy_main_params_to_model_params()
+        for mains, models in ((self.shard_fp32_from_float16_groups, self.model_float16_groups),
+                              (self.shard_fp32_groups, self.model_fp32_groups)):
+            for main_group, model_group in zip(mains, models):
+                for main, model in zip(main_group, model_group):
+                    dst = self._model_shard(model)
+                    if dst.data_ptr() != main.data_ptr():  # fp32: the main param is the shard
+                        dst.copy_(main)
+
     def _build_gbuf_range_map(self, param_and_grad_buffer):
         ranges = super()._build_gbuf_range_map(param_and_grad_buffer)
         for bucket_maps in ranges.values():
@@ -414,10 +445,7 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
     def publish_param(self, model_param, main_param) -> None:
         """Megatron's main -> param-buffer copy (``_copy_main_params_to_model_params``) of one
         parameter."""
-        world_range = self._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
-        gbuf_index, _, bucket_id = self.model_param_gbuf_map[model_param]
-        buf = self.buffers[gbuf_index].buckets[bucket_id].param_data
-        buf.view(-1)[world_range.start: world_range.end].copy_(main_param)
+        self._model_shard(model_param).copy_(main_param)
 
     def finish_deferred(self) -> None:
         """Apply any DMuon update still waiting for its bucket's param all-gather."""
@@ -523,6 +551,10 @@ def build_dmuon_optimizer(config, model_chunks, config_overrides=None,
     if not isinstance(config, DMuonOptimizerConfig):
         raise ValueError(f"optimizer={config.optimizer!r} needs a megatron_muon.DMuonOptimizerConfig")
     compat.check_supported(config, model_chunks)
+    if config.dmuon_zero3:
+        from .zero3 import shard_model
+
+        shard_model(model_chunks)
     names = {}
     for chunk in model_chunks:
         for name, p in chunk.named_parameters():

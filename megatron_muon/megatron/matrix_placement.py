@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..placement import BucketPlacement, Item, place_bucket
+from ..placement import BucketPlacement, Item, permute_shards, place_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,8 @@ def _pad(n: int, k: int) -> int:
 
 
 def matrix_layout(params: list, names: dict, world: int, bucket_size: Optional[int],
-                  is_muon: Callable, cost: Optional[Callable] = None) -> MatrixLayout:
+                  is_muon: Callable, cost: Optional[Callable] = None,
+                  whole: bool = False) -> MatrixLayout:
     """The layout of one buffer whose ``params`` are in Megatron's order (bucket 0 holds the
     last ones, whose gradients are ready first).
 
@@ -71,25 +72,31 @@ def matrix_layout(params: list, names: dict, world: int, bucket_size: Optional[i
     plain, evenly sharded bucket of its own.  Inside a matrix bucket, the 1-D tensors
     (norms, biases) fill the gaps around the matrices.  ``cost(param)`` weighs the NS load
     (default: its size).
+
+    ``whole`` (ZeRO-3): every parameter lies whole in one shard (2-D non-Muon tensors are
+    placed like matrices, with no NS cost), and each bucket's shards are handed to the ranks
+    so that the totals per rank balance (``permute_shards``): under ZeRO-3 a rank stores
+    only what it owns, over all buckets.
     """
     cost = cost or (lambda p: float(p.numel()))
     muon = {p: bool(is_muon(names[p], p)) for p in params}
+    whole_item = {p: muon[p] or (whole and p.dim() >= 2) for p in params}
     runs, cur, size, mats = [], [], 0, 0
 
     def close():
         nonlocal cur, size, mats
         if cur:
-            runs.append(("matrix" if mats else "plain", cur))
+            runs.append(("matrix" if mats or whole else "plain", cur))
         cur, size, mats = [], 0, 0
 
     for p in list(params)[::-1]:
-        if not muon[p] and p.dim() >= 2:
+        if not muon[p] and p.dim() >= 2 and not whole:
             close()
             runs.append(("plain", [p]))
             continue
         cur.append(p)
         size += p.numel()
-        mats += muon[p]
+        mats += whole_item[p]
         if bucket_size is not None and size >= bucket_size and \
                 mats >= MIN_MATRICES_PER_RANK * world:
             close()
@@ -101,6 +108,7 @@ def matrix_layout(params: list, names: dict, world: int, bucket_size: Optional[i
             merged[-1] = ("plain", merged[-1][1] + run)
         else:
             merged.append((kind, run))
+    held = [0] * world  # ZeRO-3: elements each rank stores so far
     layout = MatrixLayout()
     offset = 0
     carry = [(0, 0.0)] * world  # LPT loads carried across buckets
@@ -114,11 +122,13 @@ def matrix_layout(params: list, names: dict, world: int, bucket_size: Optional[i
             offset = start + _pad(offset - start, world * ALIGN)
             layout.placements.append(None)
         else:
-            mats = [p for p in run if muon[p]]
-            fills = [p for p in run if not muon[p]]
-            pl = place_bucket([Item(id(p), p.numel(), cost(p)) for p in mats],
+            mats = [p for p in run if whole_item[p]]
+            fills = [p for p in run if not whole_item[p]]
+            pl = place_bucket([Item(id(p), p.numel(), cost(p) if muon[p] else 0.0) for p in mats],
                               [Item(id(p), p.numel()) for p in fills], world, align=ALIGN,
                               carry=carry, place_all=True)
+            if whole:
+                pl = permute_shards(pl, held)
             start = offset
             for p in run:
                 pos = offset + pl.offsets[id(p)]
@@ -158,12 +168,15 @@ def _relayout(buf, layout: MatrixLayout) -> None:
 
 
 @contextmanager
-def matrix_placement(is_muon: Callable, cost: Optional[Callable] = None, log: bool = True):
+def matrix_placement(is_muon: Callable, cost: Optional[Callable] = None, log: bool = True,
+                     whole: bool = False):
     """Build Megatron DDP models inside this block to get whole-matrix DP shards.
 
     ``is_muon(name, param)`` says which parameters are Muon matrices (use
     ``megatron_muon.megatron.params.is_muon_matrix`` with the optimizer's
-    ``dmuon_adam_params``); ``cost(param)`` weighs the NS load (default: its size).
+    ``dmuon_adam_params``); ``cost(param)`` weighs the NS load (default: its size);
+    ``whole``: every parameter whole on one DP rank (the layout ZeRO-3 needs,
+    ``megatron_muon.megatron.zero3``).
     """
     from megatron.core.distributed import distributed_data_parallel as ddp_mod
 
@@ -179,8 +192,10 @@ def matrix_placement(is_muon: Callable, cost: Optional[Callable] = None, log: bo
             plist = [p for p, _ in params] if params and isinstance(params[0], tuple) \
                 else list(params)  # 0.19: (param, name) pairs
             world = data_parallel_group.size()
-            layout = matrix_layout(plist, param_to_name, world, bucket_size, is_muon, cost)
+            layout = matrix_layout(plist, param_to_name, world, bucket_size, is_muon, cost,
+                                   whole=whole)
             self.matrix_layout = layout
+            self.matrix_whole = whole
             if takes_layout:
                 from megatron.core.optimizer.param_layout import PerBufferParamLayout
 
@@ -204,8 +219,10 @@ def matrix_placement(is_muon: Callable, cost: Optional[Callable] = None, log: bo
 
 def matrix_placement_for(config, log: bool = True):
     """``matrix_placement`` with the Muon/AdamW split of a ``DMuonOptimizerConfig`` or of
-    Megatron-LM ``args`` (``--dmuon-adam-params``), so the buffers and DMuon agree."""
+    Megatron-LM ``args`` (``--dmuon-adam-params``), so the buffers and DMuon agree; with
+    ``dmuon_zero3`` the whole-parameter layout of ZeRO-3."""
     from .params import is_muon_matrix
 
     extra = getattr(config, "dmuon_adam_params", None)
-    return matrix_placement(lambda name, p: is_muon_matrix(name, p, extra), log=log)
+    return matrix_placement(lambda name, p: is_muon_matrix(name, p, extra), log=log,
+                            whole=bool(getattr(config, "dmuon_zero3", False)))

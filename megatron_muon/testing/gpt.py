@@ -43,6 +43,7 @@ class TinyGPTConfig:
     bf16: bool = False
     fp16: bool = False
     num_moe_experts: Optional[int] = None
+    tie_embeddings: bool = False  # share the embedding with the output layer (PP = 1 only)
     seed: int = 1234
     data_seed: int = 42
     extra: dict = field(default_factory=dict)  # more TransformerConfig fields
@@ -131,7 +132,7 @@ def build_gpt(cfg: TinyGPTConfig, *, wrap_ddp: bool = True, ddp_config=None,
             else parallel_state.is_pipeline_last_stage()
         model = GPTModel(config=tcfg, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
                          max_sequence_length=cfg.seq_length, pre_process=pre, post_process=post,
-                         share_embeddings_and_output_weights=False,
+                         share_embeddings_and_output_weights=cfg.tie_embeddings,
                          position_embedding_type="rope", **kw)
         layout_invariant_init(model, cfg)
         if cfg.bf16 or cfg.fp16:
@@ -312,6 +313,15 @@ def global_param_name(model_chunk, name: str) -> str:
 
 def full_named_params(model: list, use_main_params: bool = False) -> dict:
     """{global name: full (TP-gathered) fp32 tensor} for this rank's stage, on CPU."""
+    from megatron.core import parallel_state as ps
+
+    from ..megatron.zero3 import gathered_params
+
+    with gathered_params(model):
+        return _full_named_params(model)
+
+
+def _full_named_params(model: list) -> dict:
     from megatron.core import parallel_state as ps
 
     tp_group = ps.get_tensor_model_parallel_group()

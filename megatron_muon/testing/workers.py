@@ -6,7 +6,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .gpt import TinyGPTConfig, build_gpt, full_named_params, init_parallel, layout_ranks, train_step
+from .gpt import (TinyGPTConfig, build_gpt, full_named_params, global_param_name, init_parallel,
+                  layout_ranks, train_step)
 
 __all__ = ["train_megatron", "train_variants", "make_optimizer_config", "constant_scheduler"]
 
@@ -33,10 +34,14 @@ def make_optimizer_config(optimizer: str, **overrides):
 
 
 def _poison_grads(model):
+    from megatron_muon.megatron.zero3 import zero3_of
+
     def hook():
         for chunk in model:
-            for buf in chunk.buffers:
-                buf.grad_data.fill_(float("inf"))
+            z = zero3_of(chunk)
+            for t in ([zb.gshard for zb in z.buckets] if z is not None else
+                      [buf.grad_data for buf in chunk.buffers]):
+                t.fill_(float("inf"))
     return hook
 
 
@@ -45,14 +50,17 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
                    ddp: Optional[dict] = None, return_params: bool = True,
                    checkpoint: Optional[dict] = None, inf_at_step: Optional[int] = None,
                    params_each_step: bool = False, clip_at_steps: tuple = (),
-                   trace_dir: Optional[str] = None, record_muon_collectives: bool = False) -> dict:
+                   trace_dir: Optional[str] = None, record_muon_collectives: bool = False,
+                   matrix_placement: bool = True) -> dict:
     """Train the tiny GPT for ``steps`` steps; return losses and (TP-gathered) parameters.
 
     ``inf_at_step`` writes an Inf into every rank's reduced gradient buffer at that step
     (the optimizer must detect it and skip the step); ``params_each_step`` also returns the
     parameters after every step; ``record_muon_collectives`` returns every collective the
     Muon step (and its speculative overlap work) issued; ``clip_at_steps`` sets a tiny ``clip_grad`` (1e-4) in
-    those steps so that clipping certainly happens; ``trace_dir`` writes Chrome traces.
+    those steps so that clipping certainly happens; ``trace_dir`` writes Chrome traces;
+    ``matrix_placement=False`` builds the DDP buffers without the matrix layout that
+    ``dmuon_placement='matrix'`` asks for (to test the error).
     """
     from megatron.core.distributed import DistributedDataParallelConfig
 
@@ -66,7 +74,7 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
     ddp_kwargs.update(ddp or {})
     ocfg = make_optimizer_config(optimizer, **{"bf16": gcfg.bf16, "fp16": gcfg.fp16, **(opt or {})})
     placement = None
-    if getattr(ocfg, "dmuon_placement", "dmuon") == "matrix":
+    if getattr(ocfg, "dmuon_placement", "dmuon") == "matrix" and matrix_placement:
         from megatron_muon.megatron.matrix_placement import matrix_placement_for
 
         placement = matrix_placement_for(ocfg)
@@ -124,6 +132,20 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
     result = dict(layout=lr, losses=losses, grad_norms=norms, rank=dist.get_rank(),
                   updated=updated, history=history,
                   muon_collectives=recorder.records if recorder is not None else None)
+    from megatron_muon.megatron.zero3 import zero3_of, zero3_memory
+
+    if any(zero3_of(c) is not None for c in model):  # what this rank holds between steps
+        held, freed = [], 0
+        for chunk in model:
+            z = zero3_of(chunk)
+            for name, p in chunk.module.named_parameters():
+                if z.owns(p):
+                    held.append(global_param_name(chunk, name))
+                else:
+                    freed += p.untyped_storage().size()
+        result["zero3"] = dict(memory=zero3_memory(model), owned=held,
+                               bytes_of_others=freed,
+                               stats=[zero3_of(c).stats for c in model])
     if return_params:
         sync_params(model)
         result["params"] = full_named_params(model)

@@ -1,0 +1,442 @@
+"""MatrixFSDP ZeRO-3 on Megatron DDP: parameters sharded whole-matrix over data parallel.
+
+Built on Megatron's DDP buffers laid out by ``matrix_placement`` with ``whole=True`` (every
+parameter, matrix or not, lies whole inside one DP rank's shard of its bucket).  Then:
+
+- each rank keeps, per bucket, only the parameters it owns, in a compact persistent tensor
+  (``pshard``); the owned parameters' ``.data`` are views of it, so the optimizer (Megatron's
+  ``DistributedOptimizer`` main-param shards) reads and writes them in place.  Every other
+  parameter is a view of a per-bucket gather buffer whose storage is freed when unused: the
+  rank holds nothing of it;
+- a forward pre-hook on every module with parameters all-gathers their buckets (a padded,
+  equal-shard ``all_gather_into_tensor``: gloo has no uneven all-gather) and the buffer is
+  freed once every module of the bucket has run its forward; a hook on the module's outputs
+  gathers it again before the module's backward;
+- gradients accumulate into a per-bucket gradient buffer that exists only during the
+  bucket's backward; when every parameter of the bucket has its gradient (Megatron's
+  ``register_grad_ready``) the bucket is reduce-scattered, the owner adds its part to its
+  persistent gradient shard (``gshard``) and both buffers are freed; this happens for every
+  microbatch, so no full gradient outlives a bucket's backward;
+- the optimizer step is local: each Muon matrix's whole gradient and parameter are on its
+  owner (DMuon with ``dmuon_placement='matrix'``), and nothing is gathered after the step.
+
+Why not Megatron-FSDP: on megatron-core 0.16.1 its constructor asserts a CUDA device and
+creates ``torch.cuda.Stream``s, and its buffers cut every item into even per-rank slices, so
+it can neither run on the CPU test bed nor carry whole-matrix ownership.  Megatron DDP's
+buffers, hooks and ``DistributedOptimizer`` carry it with a few per-instance overrides:
+bucket groups (``register_grad_ready``, ``start/finish_grad_sync``, ``start/finish_param_sync``,
+``reset``) and buffers (``reset``, ``scale_gradients``).
+
+Limits: one distributed-optimizer instance, no FP8 / MXFP8 / NVFP4 params, no Megatron-FSDP,
+no MoE expert buffers (dense buffers only); activation recomputation is untested.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MatrixZeRO3", "shard_model", "zero3_of", "gathered_params", "zero3_memory"]
+
+
+def _free(t: torch.Tensor) -> None:
+    if t.untyped_storage().size() > 0:
+        t.untyped_storage().resize_(0)
+
+
+def _alloc(t: torch.Tensor) -> bool:
+    """Give ``t`` (whose storage may be freed) its storage back; True if it was freed."""
+    need = t.numel() * t.element_size()
+    if t.untyped_storage().size() == need:
+        return False
+    t.untyped_storage().resize_(need)
+    return True
+
+
+class _Bucket:
+    """One DDP bucket under ZeRO-3: persistent owned shards + transient full buffers."""
+
+    def __init__(self, zero3: "MatrixZeRO3", bucket, bucket_group, start: int):
+        self.z = zero3
+        self.bucket = bucket
+        self.group = bucket_group.intra_distributed_optimizer_instance_group
+        self.world = bucket_group.intra_distributed_optimizer_instance_size
+        self.rank = bucket_group.intra_distributed_optimizer_instance_rank
+        numel = bucket.grad_data.numel()
+        if numel % self.world:
+            raise ValueError(f"bucket of {numel} elements does not split into {self.world} shards")
+        self.shard = numel // self.world
+        lo, hi = self.rank * self.shard, (self.rank + 1) * self.shard
+        self.params = list(bucket.params_list)
+        self.owned, self.others = [], []
+        used = 0
+        for p in self.params:
+            s = self.z.buffer_of[p].param_index_map[p][0] - start  # within the bucket
+            e = s + p.numel()
+            owner = s // self.shard
+            if (e - 1) // self.shard != owner:
+                raise ValueError(
+                    f"ZeRO-3: parameter {self.z.names.get(p, '?')} ({tuple(p.shape)}) crosses a "
+                    "data-parallel shard boundary. Build the DDP model inside "
+                    "matrix_placement_for(config) with dmuon_zero3=True (whole-parameter layout)")
+            if lo <= s < hi:
+                self.owned.append((p, s - lo))
+                used = max(used, e - lo)
+            else:
+                self.others.append((p, s))
+        self.used = used
+        param_data, grad_data = bucket.param_data, bucket.grad_data
+        dev = grad_data.device
+        # persistent: the owned parameters and their reduced gradients
+        self.pshard = torch.zeros(used, dtype=param_data.dtype, device=dev)
+        self.gshard = torch.zeros(used, dtype=grad_data.dtype, device=dev)
+        # transient: the gathered bucket and its unreduced gradients
+        self.pfull = param_data.detach().clone()
+        self.gfull = torch.zeros(numel, dtype=grad_data.dtype, device=dev)
+        with torch.no_grad():
+            for p, off in self.owned:
+                self.pshard[off: off + p.numel()].copy_(p.data.view(-1))
+                p.data = self.pshard[off: off + p.numel()].view(p.shape)
+            for p, s in self.others:
+                p.data = self.pfull[s: s + p.numel()].view(p.shape)
+        bucket.param_data, bucket.grad_data = self.pfull, self.gfull
+        # views of a freed storage cannot be made later: keep them
+        self.full_grads = {p: self.gfull[s: s + p.numel()].view(p.shape)
+                           for p, s in self.others}
+        self.full_grads.update({p: self.gfull[lo + off: lo + off + p.numel()].view(p.shape)
+                                for p, off in self.owned})
+        self.shard_grads = {p: self.gshard[off: off + p.numel()].view(p.shape)
+                            for p, off in self.owned}
+        self.point_grads_to_full()
+        self.modules: set = set()  # modules whose parameters live here
+        self.fwd_done: set = set()
+        self.ready: set = set()
+        self.accumulated = False  # gshard holds this step's earlier microbatches
+        _free(self.pfull)
+        _free(self.gfull)
+
+    # -- parameters ----------------------------------------------------------------------
+    @property
+    def gathered(self) -> bool:
+        return self.pfull.untyped_storage().size() > 0
+
+    @torch.no_grad()
+    def gather(self) -> None:
+        if not _alloc(self.pfull):
+            return
+        send = torch.zeros(self.shard, dtype=self.pshard.dtype, device=self.pshard.device)
+        send[: self.used].copy_(self.pshard)
+        dist.all_gather_into_tensor(self.pfull, send, group=self.group)
+        self.z.stats["gathers"] += 1
+
+    def release(self) -> None:
+        _free(self.pfull)
+
+    # -- gradients -----------------------------------------------------------------------
+    def point_grads_to_full(self) -> None:
+        for p, view in self.full_grads.items():
+            p.main_grad = view
+
+    def point_grads_to_shard(self) -> None:
+        """After the last reduction: owned main grads are the gradient shard, the others None
+        (Megatron's finalize helpers skip a None main_grad)."""
+        for p in self.params:
+            p.main_grad = self.shard_grads.get(p)
+
+    @torch.no_grad()
+    def ensure_grad_buffer(self) -> None:
+        if _alloc(self.gfull):
+            self.gfull.zero_()
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        """Reduce-scatter this microbatch's gradients; the owner accumulates its part."""
+        self.ensure_grad_buffer()
+        if self.bucket.gradient_scaling_factor != 1.0:
+            self.gfull.mul_(self.bucket.gradient_scaling_factor)
+        op = dist.ReduceOp.AVG if self.z.ddp_config.average_in_collective else dist.ReduceOp.SUM
+        out = torch.empty(self.shard, dtype=self.gfull.dtype, device=self.gfull.device)
+        dist.reduce_scatter_tensor(out, self.gfull, op=op, group=self.group)
+        if self.accumulated:
+            self.gshard.add_(out[: self.used])
+        else:
+            self.gshard.copy_(out[: self.used])
+        self.accumulated = True
+        self.ready.clear()
+        _free(self.gfull)
+        self.release()  # every use of these parameters in this backward is done
+        self.z.stats["reductions"] += 1
+
+    def reset(self) -> None:
+        self.gshard.zero_()
+        self.accumulated = False
+        self.ready.clear()
+        _free(self.gfull)
+        self.point_grads_to_full()
+
+
+class MatrixZeRO3:
+    """ZeRO-3 state of one Megatron DDP model chunk (see the module docstring)."""
+
+    def __init__(self, ddp_model):
+        ddp = ddp_model.ddp_config
+        if not ddp.use_distributed_optimizer:
+            raise ValueError("ZeRO-3 shards the distributed optimizer's buffers: set "
+                             "use_distributed_optimizer=True")
+        if not ddp.overlap_grad_reduce:
+            raise ValueError("ZeRO-3 reduces gradients bucket by bucket during the backward: build "
+                             "DDP with overlap_grad_reduce=True (the bucket is also the unit that "
+                             "is gathered, so choose bucket_size accordingly)")
+        if getattr(ddp, "num_distributed_optimizer_instances", 1) != 1:
+            raise ValueError("ZeRO-3 supports num_distributed_optimizer_instances=1 only")
+        for flag in ("fp8_param_gather", "use_megatron_fsdp", "reuse_grad_buf_for_mxfp8_param_ag",
+                     "fp4_param_gather"):
+            if getattr(ddp, flag, False):
+                raise ValueError(f"ZeRO-3 does not support {flag}=True")
+        if list(getattr(ddp_model, "expert_parallel_buffers", [])):
+            raise ValueError("ZeRO-3 (dmuon_zero3) supports dense models only (no MoE experts)")
+        inner = ddp_model.module
+        while hasattr(inner, "module"):
+            inner = inner.module
+        if getattr(inner, "share_embeddings_and_output_weights", False):
+            from megatron.core import parallel_state
+
+            if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+                # the first and last stage all-reduce the tied weight's gradient, which under
+                # ZeRO-3 lives on different DP ranks of the two stages
+                raise ValueError("ZeRO-3 with embeddings tied to the output layer needs "
+                                 "pipeline parallel size 1 (untie them: "
+                                 "--untie-embeddings-and-output-weights)")
+        self.ddp = ddp_model
+        self.ddp_config = ddp
+        self.stats = {"gathers": 0, "reductions": 0}
+        self.names = {p: n for n, p in ddp_model.module.named_parameters()}
+        self.buffer_of, self.start_of = {}, {}
+        self.buckets: list[_Bucket] = []
+        self.bucket_of: dict = {}
+        # gradient accumulators, taken while every parameter still has its storage
+        self._grad_accs = {p: p.expand_as(p).grad_fn.next_functions[0][0]
+                           for p in ddp_model.module.parameters() if p.requires_grad}
+        for buf in ddp_model.buffers:
+            for p in buf.params:
+                self.buffer_of[p] = buf
+        for bg in ddp_model.bucket_groups:
+            for bucket in bg.buckets:
+                if list(getattr(bucket, "params_with_extra_main_grads", [])):
+                    raise ValueError("ZeRO-3 does not support separate high-precision main grads")
+                buf = self.buffer_of[bucket.params_list[0]]
+                self.start_of[bucket] = buf.bucket_indices[bucket.bucket_id][0]
+                zb = _Bucket(self, bucket, bg, self.start_of[bucket])
+                self.buckets.append(zb)
+                for p in zb.params:
+                    self.bucket_of[p] = zb
+        for buf in ddp_model.buffers:  # the flat buffers are replaced by the per-bucket ones
+            for t in (buf.param_data, buf.grad_data):
+                if t is not None:
+                    _free(t)
+            buf.reset = lambda: None
+            buf.scale_gradients = self._scaler(buf)
+        for bg in ddp_model.bucket_groups:
+            self._override(bg)
+        self._install_hooks()
+        ddp_model.matrix_zero3 = self
+
+    # -- Megatron overrides -----------------------------------------------------------------
+    def _scaler(self, buf):
+        mine = [zb for zb in self.buckets if self.buffer_of[zb.params[0]] is buf]
+
+        def scale_gradients(factor: float) -> None:
+            for zb in mine:
+                zb.gshard.mul_(factor)
+        return scale_gradients
+
+    def _override(self, bg) -> None:
+        zbs = [self.bucket_of[b.params_list[0]] for b in bg.buckets]
+
+        def register_grad_ready(param, *args, **kwargs):
+            zb = self.bucket_of[param]
+            zb.ready.add(param)
+            if len(zb.ready) == len(zb.params):
+                zb.reduce()
+
+        def finish_grad_sync(*args, **kwargs):
+            for zb in zbs:  # buckets with parameters that got no gradient in a microbatch
+                if zb.ready or zb.gfull.untyped_storage().size() > 0:
+                    zb.reduce()
+                zb.point_grads_to_shard()
+                zb.release()
+
+        def reset():
+            for zb in zbs:
+                zb.reset()
+                zb.release()  # the parameters may have changed since they were gathered
+
+        def param_sync(*args, **kwargs):
+            # The step wrote the owned shards in place; nothing is gathered after it, and
+            # whatever is still gathered is stale.
+            for zb in zbs:
+                zb.release()
+
+        bg.register_grad_ready = register_grad_ready
+        bg.start_grad_sync = lambda *a, **k: None
+        bg.finish_grad_sync = finish_grad_sync
+        bg.start_param_sync = param_sync
+        bg.finish_param_sync = lambda *a, **k: None
+        bg.reset = reset
+
+    # -- hooks ----------------------------------------------------------------------------
+    def _install_hooks(self) -> None:
+        root = self.ddp.module
+        model = root
+        while hasattr(model, "module"):  # Float16Module
+            model = model.module
+        for module in root.modules():
+            params = [p for p in module.parameters(recurse=False) if p in self.bucket_of]
+            params += self._tied_params(model, module)
+            if not params:
+                continue
+            zbs = list({id(self.bucket_of[p]): self.bucket_of[p] for p in params}.values())
+            for zb in zbs:
+                zb.modules.add(module)
+            module.register_forward_pre_hook(self._pre_forward(zbs))
+            module.register_forward_hook(self._post_forward(module, zbs))
+        # a gradient never lands in a freed buffer: allocate it before AccumulateGrad runs
+        for p, zb in self.bucket_of.items():
+            if p in self._grad_accs:
+                self._grad_accs[p].register_prehook(lambda grads, zb=zb: zb.ensure_grad_buffer())
+
+    def _tied_params(self, root, module) -> list:
+        """The output layer of a model with shared embeddings uses the embedding weight."""
+        if getattr(root, "share_embeddings_and_output_weights", False) and \
+                module is getattr(root, "output_layer", None) and getattr(root, "pre_process", False):
+            w = root.shared_embedding_or_output_weight()
+            return [w] if w is not None and w in self.bucket_of else []
+        return []
+
+    @staticmethod
+    def _pre_forward(zbs):
+        def hook(module, args):
+            for zb in zbs:
+                zb.gather()
+        return hook
+
+    def _post_forward(self, module, zbs):
+        def pre_backward(grad):
+            for zb in zbs:
+                zb.gather()
+                zb.ensure_grad_buffer()
+            return grad
+
+        def hook(mod, args, output):
+            for t in _tensors(output):
+                if t.requires_grad and t.grad_fn is not None:
+                    t.register_hook(pre_backward)
+            for zb in zbs:
+                zb.fwd_done.add(module)
+                if zb.fwd_done >= zb.modules:
+                    zb.fwd_done.clear()
+                    zb.release()  # reshard after forward
+        return hook
+
+    # -- whole-model access ----------------------------------------------------------------
+    def gather_all(self) -> None:
+        for zb in self.buckets:
+            zb.gather()
+
+    def release_all(self) -> None:
+        for zb in self.buckets:
+            zb.release()
+
+    def memory(self) -> dict:
+        """Bytes this rank holds between steps, and the largest transient bucket."""
+        params = sum(zb.pshard.numel() * zb.pshard.element_size() for zb in self.buckets)
+        grads = sum(zb.gshard.numel() * zb.gshard.element_size() for zb in self.buckets)
+        model = sum(p.numel() * p.element_size() for p in self.bucket_of)
+        gmodel = sum(p.numel() * zb.gshard.element_size() for p, zb in self.bucket_of.items())
+        transient = max((zb.pfull.numel() * zb.pfull.element_size()
+                         + zb.gfull.numel() * zb.gfull.element_size() for zb in self.buckets),
+                        default=0)
+        return dict(params=params, grads=grads, model_params=model, model_grads=gmodel,
+                    largest_bucket=transient, world=self.buckets[0].world if self.buckets else 1)
+
+    def owns(self, p) -> bool:
+        zb = self.bucket_of.get(p)
+        return zb is not None and any(q is p for q, _ in zb.owned)
+
+
+def _tensors(output):
+    if torch.is_tensor(output):
+        yield output
+    elif isinstance(output, (tuple, list)):
+        for o in output:
+            yield from _tensors(o)
+    elif isinstance(output, dict):
+        for o in output.values():
+            yield from _tensors(o)
+
+
+def zero3_of(chunk) -> Optional[MatrixZeRO3]:
+    return getattr(chunk, "matrix_zero3", None)
+
+
+def shard_model(model_chunks) -> list:
+    """Convert matrix-placed (whole-parameter) DDP chunks to ZeRO-3; idempotent."""
+    out = []
+    for chunk in model_chunks:
+        z = zero3_of(chunk)
+        if z is None:
+            if not all(getattr(b, "matrix_whole", False) for b in chunk.buffers):
+                raise ValueError(
+                    "dmuon_zero3=True: build the DDP model inside "
+                    "megatron_muon.megatron.matrix_placement.matrix_placement_for(config) with "
+                    "dmuon_placement='matrix' and dmuon_zero3=True (every parameter whole on one "
+                    "data-parallel rank)")
+            z = MatrixZeRO3(chunk)
+            _wrap_state_dict(chunk)
+        out.append(z)
+    return out
+
+
+def _wrap_state_dict(chunk) -> None:
+    """Model (sharded) state dicts see gathered parameters: the buckets are gathered before
+    and stay so until the next release (next forward, zero_grad_buffer or optimizer step)."""
+    inner = chunk.module
+    z = zero3_of(chunk)
+    for name in ("state_dict", "sharded_state_dict", "load_state_dict"):
+        orig = getattr(inner, name)
+
+        def wrapped(*args, _orig=orig, **kwargs):
+            z.gather_all()
+            return _orig(*args, **kwargs)
+        setattr(inner, name, wrapped)
+
+
+@contextlib.contextmanager
+def gathered_params(model_chunks):
+    """Every parameter materialised (all buckets gathered) inside the block; no-op without
+    ZeRO-3.  For checkpoints, evaluation outside hooks and tests."""
+    zs = [z for z in (zero3_of(c) for c in model_chunks) if z is not None]
+    for z in zs:
+        z.gather_all()
+    try:
+        yield
+    finally:
+        for z in zs:
+            z.release_all()
+
+
+def zero3_memory(model_chunks) -> Optional[dict]:
+    zs = [z for z in (zero3_of(c) for c in model_chunks) if z is not None]
+    if not zs:
+        return None
+    tot = {}
+    for z in zs:
+        for k, v in z.memory().items():
+            tot[k] = max(tot.get(k, 0), v) if k in ("largest_bucket", "world") else tot.get(k, 0) + v
+    return tot
