@@ -179,6 +179,10 @@ class _SubsetMixin:
                     dst = self._model_shard(model)
                     if dst.data_ptr() != main.data_ptr():  # fp32: the main param is the shard
                         dst.copy_(main)
+        from .zero3 import zero3_of
+
+        for z in filter(None, map(zero3_of, self.model_chunks)):
+            z.release_all()  # whatever is still gathered is stale now
 
     def _build_gbuf_range_map(self, param_and_grad_buffer):
         ranges = super()._build_gbuf_range_map(param_and_grad_buffer)
