@@ -349,14 +349,16 @@ def test_zero3_fp16_clip_and_found_inf_equal_zero1():
             assert max((h3[n] - h1[n]).abs().max().item() for n in h3) < 1e-6
 
 
-@pytest.mark.parametrize("ddp,placement,match", [
-    (dict(overlap_grad_reduce=False), True, "overlap_grad_reduce=True"),
-    (ZERO3_DDP, False, "matrix_placement_for"),
+@pytest.mark.parametrize("ddp,placement,lr,match", [
+    (dict(overlap_grad_reduce=False), True, None, "overlap_grad_reduce=True"),
+    (ZERO3_DDP, False, None, "matrix_placement_for"),
+    # Megatron's NaN check runs on each bucket before its reduce-scatter (lr 1e30: NaN at step 2)
+    (dict(ZERO3_DDP, check_for_nan_in_grad=True), True, 1e30, "found NaN in local grad norm"),
 ])
-def test_zero3_clear_errors(ddp, placement, match):
+def test_zero3_clear_errors(ddp, placement, lr, match):
     from megatron_muon.testing.launch import RankFailure
 
     with pytest.raises(RankFailure, match=match):
         run_ranks("megatron_muon.testing.workers:train_megatron", 2,
-                  dict(cfg={}, optimizer="dmuon", opt=ZERO3, steps=1, ddp=ddp,
-                       matrix_placement=placement), timeout=120)
+                  dict(cfg={}, optimizer="dmuon", opt=dict(ZERO3, lr=lr or OPT["lr"]), steps=3,
+                       ddp=ddp, matrix_placement=placement), timeout=120)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -65,6 +66,7 @@ class _Bucket:
     def __init__(self, zero3: "MatrixZeRO3", bucket, bucket_group, start: int):
         self.z = zero3
         self.bucket = bucket
+        self.bucket_group = bucket_group
         self.group = bucket_group.intra_distributed_optimizer_instance_group
         self.world = bucket_group.intra_distributed_optimizer_instance_size
         self.rank = bucket_group.intra_distributed_optimizer_instance_rank
@@ -158,6 +160,13 @@ class _Bucket:
     def reduce(self) -> None:
         """Reduce-scatter this microbatch's gradients; the owner accumulates its part."""
         self.ensure_grad_buffer()
+        cfg = self.z.ddp_config
+        if cfg.check_for_nan_in_grad or getattr(cfg, "check_for_large_grads", False):
+            # Megatron's own check (rerun state machine), on this bucket alone
+            type(self.bucket_group).check_grads(
+                SimpleNamespace(buckets=[self.bucket]),
+                check_for_nan_or_inf=cfg.check_for_nan_in_grad,
+                check_for_large=getattr(cfg, "check_for_large_grads", False))
         if self.bucket.gradient_scaling_factor != 1.0:
             self.gfull.mul_(self.bucket.gradient_scaling_factor)
         op = dist.ReduceOp.AVG if self.z.ddp_config.average_in_collective else dist.ReduceOp.SUM
