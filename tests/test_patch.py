@@ -214,6 +214,8 @@ CASES = {
     "bad_plan_choice": GOOD + ["--dmuon-plan-cost", "magic"],
     "bad_optimizer": ["--optimizer", "dmuonn", "--use-distributed-optimizer"],
     "zero3_no_overlap": GOOD + ["--dmuon-placement", "matrix", "--dmuon-zero3"],
+    "zero3_params_norm": GOOD + ["--dmuon-placement", "matrix", "--dmuon-zero3",
+                                 "--overlap-grad-reduce", "--log-params-norm"],
 }
 
 
@@ -258,6 +260,7 @@ def test_patched_parser_accepts_dmuon(parsed):
     ("bad_plan_choice", "argparse", "argument --dmuon-plan-cost: invalid choice: 'magic'"),
     ("bad_optimizer", "argparse", "argument --optimizer: invalid choice: 'dmuonn'"),
     ("zero3_no_overlap", "invalid", "--dmuon-zero3 reduces gradients bucket by bucket"),
+    ("zero3_params_norm", "invalid", "--dmuon-zero3 does not support --log-params-norm"),
 ])
 def test_patched_parser_rejects_bad_values(parsed, case, status, message):
     assert parsed[case]["status"] == status, parsed[case]

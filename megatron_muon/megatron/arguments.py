@@ -274,6 +274,10 @@ def validate_dmuon_args(args: Any, parser: Optional[argparse.ArgumentParser] = N
                   "--overlap-grad-reduce", parser)
         if (get("num_experts") or 0) > 0:
             _fail("--dmuon-zero3 supports dense models only (no --num-experts)", parser)
+        for flag in ("log_params_norm", "async_save"):  # read every parameter off the hooks
+            if get(flag):
+                _fail(f"--dmuon-zero3 does not support --{flag.replace('_', '-')} yet (it reads "
+                      "parameters a ZeRO-3 rank does not hold)", parser)
     return args
 
 
