@@ -130,7 +130,6 @@ def place_bucket(matrices: Sequence[Item], fillers: Sequence[Item], world: int,
     return pl
 
 
-
 def permute_shards(pl: BucketPlacement, held: list) -> BucketPlacement:
     """Hand the bucket's shards to the ranks so that the fullest shard goes to the rank that
     holds the fewest elements so far (``held``, per rank, updated in place).

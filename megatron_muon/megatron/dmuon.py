@@ -11,6 +11,7 @@ back, and each rank applies ``W <- W (1 - lr wd) - lr * scale * O`` to its shard
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from types import SimpleNamespace
 
@@ -150,11 +151,12 @@ class _SubsetMixin:
         return state_dict, param_state
 
     # -- ZeRO-3 (megatron_muon.megatron.zero3): owned parameters live in per-bucket shards --
-    @property
+    @functools.cached_property
     def zero3(self) -> bool:
-        from .zero3 import zero3_of
+        """Fixed once built: ``build_dmuon_optimizer`` shards the chunks first."""
+        from .zero3 import zero3s
 
-        return any(zero3_of(c) is not None for c in self.model_chunks)
+        return bool(zero3s(self.model_chunks))
 
     def _model_shard(self, model_param) -> torch.Tensor:
         """Where this rank's slice of ``model_param`` is published after the step: the DP
@@ -179,9 +181,9 @@ class _SubsetMixin:
                     dst = self._model_shard(model)
                     if dst.data_ptr() != main.data_ptr():  # fp32: the main param is the shard
                         dst.copy_(main)
-        from .zero3 import zero3_of
+        from .zero3 import zero3s
 
-        for z in filter(None, map(zero3_of, self.model_chunks)):
+        for z in zero3s(self.model_chunks):
             z.release_all()  # whatever is still gathered is stale now
 
     def _build_gbuf_range_map(self, param_and_grad_buffer):

@@ -41,9 +41,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .checkpoint import _unwrap
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["MatrixZeRO3", "shard_model", "zero3_of", "gathered_params", "zero3_memory"]
+__all__ = ["MatrixZeRO3", "shard_model", "zero3_of", "zero3s", "gathered_params",
+           "zero3_memory"]
 
 
 def _free(t: torch.Tensor) -> None:
@@ -124,10 +127,6 @@ class _Bucket:
         _free(self.gfull)
 
     # -- parameters ----------------------------------------------------------------------
-    @property
-    def gathered(self) -> bool:
-        return self.pfull.untyped_storage().size() > 0
-
     @torch.no_grad()
     def gather(self) -> None:
         if not _alloc(self.pfull):
@@ -169,7 +168,7 @@ class _Bucket:
                 check_for_large=getattr(cfg, "check_for_large_grads", False))
         if self.bucket.gradient_scaling_factor != 1.0:
             self.gfull.mul_(self.bucket.gradient_scaling_factor)
-        op = dist.ReduceOp.AVG if self.z.ddp_config.average_in_collective else dist.ReduceOp.SUM
+        op = dist.ReduceOp.AVG if cfg.average_in_collective else dist.ReduceOp.SUM
         out = torch.empty(self.shard, dtype=self.gfull.dtype, device=self.gfull.device)
         dist.reduce_scatter_tensor(out, self.gfull, op=op, group=self.group)
         if self.accumulated:
@@ -188,6 +187,7 @@ class _Bucket:
         self.ready.clear()
         _free(self.gfull)
         self.point_grads_to_full()
+        self.release()  # the parameters may have changed since they were gathered
 
 
 class MatrixZeRO3:
@@ -210,10 +210,8 @@ class MatrixZeRO3:
                 raise ValueError(f"ZeRO-3 does not support {flag}=True")
         if list(getattr(ddp_model, "expert_parallel_buffers", [])):
             raise ValueError("ZeRO-3 (dmuon_zero3) supports dense models only (no MoE experts)")
-        inner = ddp_model.module
-        while hasattr(inner, "module"):
-            inner = inner.module
-        if getattr(inner, "share_embeddings_and_output_weights", False):
+        self.model = _unwrap(ddp_model)  # the GPTModel (under DDP and Float16Module)
+        if getattr(self.model, "share_embeddings_and_output_weights", False):
             from megatron.core import parallel_state
 
             if parallel_state.get_pipeline_model_parallel_world_size() > 1:
@@ -226,7 +224,7 @@ class MatrixZeRO3:
         self.ddp_config = ddp
         self.stats = {"gathers": 0, "reductions": 0}
         self.names = {p: n for n, p in ddp_model.module.named_parameters()}
-        self.buffer_of, self.start_of = {}, {}
+        self.buffer_of = {}
         self.buckets: list[_Bucket] = []
         self.bucket_of: dict = {}
         # gradient accumulators, taken while every parameter still has its storage
@@ -240,8 +238,7 @@ class MatrixZeRO3:
                 if list(getattr(bucket, "params_with_extra_main_grads", [])):
                     raise ValueError("ZeRO-3 does not support separate high-precision main grads")
                 buf = self.buffer_of[bucket.params_list[0]]
-                self.start_of[bucket] = buf.bucket_indices[bucket.bucket_id][0]
-                zb = _Bucket(self, bucket, bg, self.start_of[bucket])
+                zb = _Bucket(self, bucket, bg, buf.bucket_indices[bucket.bucket_id][0])
                 self.buckets.append(zb)
                 for p in zb.params:
                     self.bucket_of[p] = zb
@@ -284,7 +281,6 @@ class MatrixZeRO3:
         def reset():
             for zb in zbs:
                 zb.reset()
-                zb.release()  # the parameters may have changed since they were gathered
 
         def param_sync(*args, **kwargs):
             # The step wrote the owned shards in place; nothing is gathered after it, and
@@ -301,13 +297,9 @@ class MatrixZeRO3:
 
     # -- hooks ----------------------------------------------------------------------------
     def _install_hooks(self) -> None:
-        root = self.ddp.module
-        model = root
-        while hasattr(model, "module"):  # Float16Module
-            model = model.module
-        for module in root.modules():
+        for module in self.ddp.module.modules():
             params = [p for p in module.parameters(recurse=False) if p in self.bucket_of]
-            params += self._tied_params(model, module)
+            params += self._tied_params(module)
             if not params:
                 continue
             zbs = list({id(self.bucket_of[p]): self.bucket_of[p] for p in params}.values())
@@ -320,8 +312,9 @@ class MatrixZeRO3:
             if p in self._grad_accs:
                 self._grad_accs[p].register_prehook(lambda grads, zb=zb: zb.ensure_grad_buffer())
 
-    def _tied_params(self, root, module) -> list:
+    def _tied_params(self, module) -> list:
         """The output layer of a model with shared embeddings uses the embedding weight."""
+        root = self.model
         if getattr(root, "share_embeddings_and_output_weights", False) and \
                 module is getattr(root, "output_layer", None) and getattr(root, "pre_process", False):
             w = root.shared_embedding_or_output_weight()
@@ -376,7 +369,7 @@ class MatrixZeRO3:
 
     def owns(self, p) -> bool:
         zb = self.bucket_of.get(p)
-        return zb is not None and any(q is p for q, _ in zb.owned)
+        return zb is not None and p in zb.shard_grads
 
 
 def _tensors(output):
@@ -392,6 +385,11 @@ def _tensors(output):
 
 def zero3_of(chunk) -> Optional[MatrixZeRO3]:
     return getattr(chunk, "matrix_zero3", None)
+
+
+def zero3s(model_chunks) -> list:
+    """The ZeRO-3 states of those chunks that have one (empty without ZeRO-3)."""
+    return [z for z in map(zero3_of, model_chunks) if z is not None]
 
 
 def shard_model(model_chunks) -> list:
@@ -430,7 +428,7 @@ def _wrap_state_dict(chunk) -> None:
 def gathered_params(model_chunks):
     """Every parameter materialised (all buckets gathered) inside the block; no-op without
     ZeRO-3.  For checkpoints, evaluation outside hooks and tests."""
-    zs = [z for z in (zero3_of(c) for c in model_chunks) if z is not None]
+    zs = zero3s(model_chunks)
     for z in zs:
         z.gather_all()
     try:
@@ -441,7 +439,7 @@ def gathered_params(model_chunks):
 
 
 def zero3_memory(model_chunks) -> Optional[dict]:
-    zs = [z for z in (zero3_of(c) for c in model_chunks) if z is not None]
+    zs = zero3s(model_chunks)
     if not zs:
         return None
     tot = {}

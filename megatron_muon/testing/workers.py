@@ -132,9 +132,10 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
     result = dict(layout=lr, losses=losses, grad_norms=norms, rank=dist.get_rank(),
                   updated=updated, history=history,
                   muon_collectives=recorder.records if recorder is not None else None)
-    from megatron_muon.megatron.zero3 import zero3_of, zero3_memory
+    from megatron_muon.megatron.zero3 import zero3_memory, zero3_of, zero3s
 
-    if any(zero3_of(c) is not None for c in model):  # what this rank holds between steps
+    zs = zero3s(model)
+    if zs:  # what this rank holds between steps
         held, freed = [], 0
         for chunk in model:
             z = zero3_of(chunk)
@@ -144,8 +145,7 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
                 else:
                     freed += p.untyped_storage().size()
         result["zero3"] = dict(memory=zero3_memory(model), owned=held,
-                               bytes_of_others=freed,
-                               stats=[zero3_of(c).stats for c in model])
+                               bytes_of_others=freed, stats=[z.stats for z in zs])
     if return_params:
         sync_params(model)
         result["params"] = full_named_params(model)
