@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 __all__ = ["save_checkpoint", "load_checkpoint", "sync_params", "SHARDING_TYPE"]
 
-SHARDING_TYPE = "fully_sharded_model_space"
+SHARDING_TYPE = "fully_reshardable"
 
 
 def _unwrap(module):
@@ -32,6 +32,10 @@ def _model_state(model: list, is_loading: bool) -> dict:
 
 
 def _sharded_state(model, optimizer, scheduler, step: int, is_loading: bool) -> dict:
+    if is_loading:
+        from .compat import prepare_torch_adam_for_load
+
+        prepare_torch_adam_for_load(optimizer)
     state = _model_state(model, is_loading)
     state["optimizer"] = optimizer.sharded_state_dict(
         dict(state), is_loading=is_loading, metadata={"distrib_optim_sharding_type": SHARDING_TYPE})
@@ -96,7 +100,9 @@ def load_checkpoint(directory: str, model: list, optimizer, scheduler=None,
         else:
             for i, m in enumerate(model):
                 _unwrap(m).load_state_dict(state[f"model{i}"])
-    optimizer.load_state_dict(state["optimizer"])
+    from .compat import load_optimizer_state
+
+    load_optimizer_state(optimizer, state["optimizer"])
     if scheduler is not None and "opt_param_scheduler" in state:
         scheduler.load_state_dict(state["opt_param_scheduler"])
     return int(state["iteration"])

@@ -13,7 +13,8 @@ import megatron.core.optimizer as mcore_optimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 __all__ = ["MCORE_VERSION", "device", "ns_function", "get_param_groups",
-           "build_distributed_optimizer", "check_supported"]
+           "build_distributed_optimizer", "check_supported", "prepare_torch_adam_for_load",
+           "load_optimizer_state"]
 
 MCORE_VERSION = Version(getattr(megatron.core, "__version__", "0.0.0"))
 
@@ -120,3 +121,79 @@ def check_supported(config, model_chunks) -> None:
                              "wrap the model in Megatron DDP with use_distributed_optimizer=True")
     if parallel_state.get_context_parallel_world_size() > 1:
         raise ValueError(f"optimizer={config.optimizer!r} does not support context parallelism yet")
+
+
+
+def _torch_adam_distributed(sub) -> bool:
+    """Megatron's own DistributedOptimizer over torch's Adam/AdamW (neither Apex nor TE)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return (type(sub) is DistributedOptimizer and not sub.is_stub_optimizer
+            and isinstance(getattr(sub, "optimizer", None), torch.optim.Adam))
+
+
+@torch.no_grad()
+def prepare_torch_adam_for_load(optimizer) -> None:
+    """Give torch-Adam states a 'step' before Megatron builds a loading state dict.
+
+    Megatron's ``DistributedOptimizer.state_dict()`` on the torch-Adam path (neither Apex nor
+    Transformer Engine installed, e.g. CPU) reads 'step' from per-parameter Adam state, which
+    exists only after a first step, so ``sharded_state_dict(is_loading=True)`` on a freshly
+    built optimizer fails an assertion.  Zero states with step 0 stand in; the load then
+    overwrites all of them.  This package's own optimizers handle it themselves.
+    """
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not _torch_adam_distributed(sub):
+            continue
+        inner = sub.optimizer
+        if sub.init_state_fn is not None:
+            sub.init_state_fn(inner, sub.config)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].setdefault("step", torch.zeros((), dtype=torch.float32))
+
+
+_PARAM_STATE_LOADERS = {"fully_reshardable": "load_parameter_state_from_fully_reshardable",
+                        "dp_reshardable": "load_parameter_state_from_dp_reshardable",
+                        "fully_sharded_model_space": "load_parameter_state_from_fs_model_space"}
+
+
+@torch.no_grad()
+def load_optimizer_state(optimizer, state_dict) -> None:
+    """``optimizer.load_state_dict(state_dict)``, also on Megatron's torch-Adam path.
+
+    There, ``DistributedOptimizer.load_state_dict`` first puts the checkpoint's 'step' into
+    every per-parameter Adam state and then copies the saved tensors into *every* state key,
+    'step' included, which the saved parameter state does not have (KeyError: 'step').  For
+    such optimizers the parameter state is loaded with the step tensors set aside.
+    """
+    subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    if not any(_torch_adam_distributed(s) for s in subs):
+        optimizer.load_state_dict(state_dict)
+        return
+    if len(subs) == 1:
+        states = [state_dict]
+    elif isinstance(state_dict, dict):
+        states = [v for _, v in sorted(state_dict.items())]
+    else:
+        states = list(state_dict)
+    if len(states) != len(subs):
+        raise RuntimeError(f"optimizer checkpoint has {len(states)} optimizers, this run "
+                           f"{len(subs)}")
+    for sub, sd in zip(subs, states):
+        if not _torch_adam_distributed(sub) or "param_state" not in sd:
+            sub.load_state_dict(sd)
+            continue
+        sd = dict(sd)
+        param_state, kind = sd.pop("param_state"), sd.pop("param_state_sharding_type", None)
+        if kind not in _PARAM_STATE_LOADERS:
+            raise ValueError(f"optimizer checkpoint: unknown parameter-state format {kind!r}")
+        sub.load_state_dict(sd)  # groups, step, grad scaler; allocates the state tensors
+        steps = {p: st.pop("step") for p, st in sub.optimizer.state.items() if "step" in st}
+        try:
+            getattr(sub, _PARAM_STATE_LOADERS[kind])(param_state)
+        finally:
+            for p, step in steps.items():
+                sub.optimizer.state[p]["step"] = step
+    if len(subs) > 1:
+        optimizer._synchronize_steps()

@@ -242,8 +242,13 @@ class ShardedMuonStep(torch.optim.Optimizer):
         self.numel = off
         self.engine: OwnerCentricNS = engine_factory(self.offsets)
         self.overlap = None  # a DMuonOverlap, installed by the DMuon optimizer
+        # No 'step' in the param groups: Megatron's ChainedOptimizer._synchronize_steps
+        # compares every group's 'step', and after a checkpoint load the AdamW groups hold a
+        # 'step' that torch's AdamW never advances (it counts per parameter).  A counter here
+        # would drift from it and the next save would fail; the owning DMuon optimizer
+        # counts completed steps instead (``completed_steps``).
         for group in self.param_groups:
-            group.setdefault("step", 0)
+            group.pop("step", None)
 
     def init_state(self) -> None:
         for group in self.param_groups:
@@ -265,7 +270,6 @@ class ShardedMuonStep(torch.optim.Optimizer):
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
                 u = momentum_update(st["momentum_buffer"], g, mu, self.nesterov)
                 flat[self.offsets[p]: self.offsets[p] + p.numel()].copy_(u.view(-1))
-            group["step"] += 1
         if self.check_finite and not bool(torch.isfinite(flat).all()):
             raise FloatingPointError(
                 "DMuon: non-finite (NaN/Inf) Muon gradient or momentum; with fp16 use a loss "
@@ -495,9 +499,7 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
         return torch.float32
 
     def state_dict(self):
-        step = self.optimizer.param_groups[0]["step"] if not self.is_stub_optimizer and \
-            self.optimizer.param_groups else self.completed_steps
-        return self._group_state_dict(step)
+        return self._group_state_dict(self.completed_steps)
 
     def load_state_dict(self, state_dict):
         """Non-parameter state (groups, step, grad scaler) plus the sharded param state."""
@@ -511,7 +513,7 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
             raise ValueError(f"checkpoint has {len(saved)} DMuon param groups, this model "
                              f"{len(self.optimizer.param_groups)}")
         for group, sg in zip(self.optimizer.param_groups, saved):
-            group.update({k: v for k, v in sg.items() if k != "params"})
+            group.update({k: v for k, v in sg.items() if k not in ("params", "step")})
         self.completed_steps = int(saved[0].get("step", 0)) if saved else 0
         if self.grad_scaler and "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
