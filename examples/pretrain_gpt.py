@@ -120,6 +120,10 @@ def get_args(argv=None) -> argparse.Namespace:
     g.add_argument("--micro-batch-size", type=int, default=4)
     g.add_argument("--global-batch-size", type=int, default=16)
     g.add_argument("--train-iters", type=int, default=250)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after saving, with --save) once the iteration number is a "
+                        "multiple of this; resume later with --load for the rest of the same "
+                        "--train-iters schedule (Megatron-LM's flag)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--optimizer", choices=OPTIMIZERS, default="dmuon")
     g.add_argument("--lr", type=float, default=3e-3)
@@ -146,6 +150,14 @@ def get_args(argv=None) -> argparse.Namespace:
     g.add_argument("--save-interval", type=int, default=None,
                    help="iterations between checkpoints (and one at the end)")
     g.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    sched = g.add_mutually_exclusive_group()
+    sched.add_argument("--use-checkpoint-opt-param-scheduler", action="store_true",
+                       help="on resume, keep the checkpoint's LR / weight-decay schedule when "
+                            "it differs from the command line's (Megatron-LM's flag; without "
+                            "either flag a difference is an error)")
+    sched.add_argument("--override-opt-param-scheduler", action="store_true",
+                       help="on resume, use the command line's LR / weight-decay schedule "
+                            "instead of the checkpoint's")
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--log-json", default=None, help="write per-step losses and timings here")
 
@@ -191,6 +203,8 @@ def check_args(args, world_size: int) -> None:
     if not 0 <= args.lr_warmup_iters < args.lr_decay_iters:
         raise UsageError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be >= 0 and below "
                          f"--lr-decay-iters ({args.lr_decay_iters}, default --train-iters)")
+    if args.exit_interval is not None and args.exit_interval < 1:
+        raise UsageError("--exit-interval must be >= 1")
     if args.save_interval is not None and (args.save is None or args.save_interval < 1):
         raise UsageError("--save-interval needs --save DIR and a value >= 1")
     if args.transformer_impl == "transformer_engine" and not torch.cuda.is_available():
@@ -460,7 +474,9 @@ def build_optimizer(args, model):
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.lr_decay_iters,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
-        end_wd=args.weight_decay, wd_incr_steps=args.train_iters, wd_incr_style="constant")
+        end_wd=args.weight_decay, wd_incr_steps=args.train_iters, wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler)
     return optimizer, scheduler
 
 
@@ -619,10 +635,15 @@ def train(args) -> None:
                 f"{1e3 * tokens_per_step / (fb_ms + opt_ms):7.0f} tok/s | {fb_ms + opt_ms:7.1f} "
                 f"ms/step (fwd-bwd {fb_ms:.1f}, optimizer {opt_ms:.1f})")
             last_logged = step + 1
-        if args.save and (step + 1 == args.train_iters or
+        exiting = bool(args.exit_interval) and (step + 1) % args.exit_interval == 0 and \
+            step + 1 < args.train_iters
+        if args.save and (step + 1 == args.train_iters or exiting or
                           (args.save_interval and (step + 1) % args.save_interval == 0)):
             path = save_ckpt(args.save, model, optimizer, step + 1, scheduler=scheduler)
             say(f"saved checkpoint {path}")
+        if exiting:
+            say(f"exiting at iteration {step + 1} (--exit-interval {args.exit_interval})")
+            break
     t_train = time.perf_counter() - t_train
 
     summary = summarize(args, log, start, t_setup, t_train, time.perf_counter() - t_start)

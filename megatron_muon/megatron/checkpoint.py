@@ -13,9 +13,56 @@ from typing import Optional
 
 import torch.distributed as dist
 
-__all__ = ["save_checkpoint", "load_checkpoint", "sync_params", "SHARDING_TYPE"]
+__all__ = ["save_checkpoint", "load_checkpoint", "sync_params", "SHARDING_TYPE",
+           "ScheduleMismatchError", "schedule_differences"]
 
 SHARDING_TYPE = "fully_reshardable"
+
+
+class ScheduleMismatchError(ValueError):
+    """The checkpoint's LR / weight-decay schedule differs from the one asked for, and
+    neither ``use_checkpoint_opt_param_scheduler`` nor ``override_opt_param_scheduler``
+    says which one wins (Megatron-LM's rule)."""
+
+
+# OptimizerParamScheduler state -> the command-line flag it comes from
+_SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
+                   "lr_decay_steps": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style",
+                   "start_wd": "--start-weight-decay", "end_wd": "--end-weight-decay",
+                   "wd_incr_steps": "weight-decay iterations", "wd_incr_style":
+                   "--weight-decay-incr-style"}
+
+
+def schedule_differences(scheduler, saved: dict) -> list:
+    """``[(flag, this run's value, checkpoint's value)]`` for every schedule setting that
+    differs between ``scheduler`` and a saved ``OptimizerParamScheduler.state_dict()``."""
+    now = scheduler.state_dict()
+    keys = list(_SCHEDULE_FLAGS)
+    if now.get("wd_incr_style") == saved.get("wd_incr_style") == "constant":
+        keys.remove("wd_incr_steps")  # a constant weight decay does not depend on it
+    return [(_SCHEDULE_FLAGS[k], now[k], saved[k]) for k in keys
+            if k in saved and k in now and now[k] != saved[k]]
+
+
+def _check_schedule(scheduler, saved: dict):
+    """Megatron-LM's rule for a schedule that changed on resume, as one clear error (raised
+    before anything is loaded) or the one line to print that says which schedule is used."""
+    diffs = schedule_differences(scheduler, saved)
+    text = ", ".join(f"{flag} {ours} (checkpoint: {theirs})" for flag, ours, theirs in diffs)
+    if diffs and scheduler.override_opt_param_scheduler:
+        note = f"LR schedule: the command line overrides the checkpoint's: {text}"
+    elif diffs and scheduler.use_checkpoint_opt_param_scheduler:
+        note = ("LR schedule: using the checkpoint's, not the command line's: "
+                + ", ".join(f"{flag} {theirs} (command line: {ours})"
+                            for flag, ours, theirs in diffs))
+    elif diffs:
+        raise ScheduleMismatchError(
+            f"the checkpoint's LR schedule differs from this run's: {text}; pass "
+            "--use-checkpoint-opt-param-scheduler to keep the checkpoint's or "
+            "--override-opt-param-scheduler to use the command line's")
+    else:
+        note = None
+    return note
 
 
 def _unwrap(module):
@@ -92,6 +139,10 @@ def load_checkpoint(directory: str, model: list, optimizer, scheduler=None,
         raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
     from .zero3 import gathered_params
 
+    note = None
+    if scheduler is not None:  # a changed schedule fails before anything is loaded
+        saved = dist_checkpointing.load_common_state_dict(path).get("opt_param_scheduler")
+        note = _check_schedule(scheduler, saved) if saved is not None else None
     with gathered_params(model):  # ZeRO-3: each rank keeps what it owns of the loaded model
         state = dist_checkpointing.load(_sharded_state(model, optimizer, scheduler, step, True),
                                         path)
@@ -105,4 +156,6 @@ def load_checkpoint(directory: str, model: list, optimizer, scheduler=None,
     load_optimizer_state(optimizer, state["optimizer"])
     if scheduler is not None and "opt_param_scheduler" in state:
         scheduler.load_state_dict(state["opt_param_scheduler"])
+        if note and dist.get_rank() == 0:
+            print(note, flush=True)
     return int(state["iteration"])

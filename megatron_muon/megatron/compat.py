@@ -165,7 +165,9 @@ def load_optimizer_state(optimizer, state_dict) -> None:
     There, ``DistributedOptimizer.load_state_dict`` first puts the checkpoint's 'step' into
     every per-parameter Adam state and then copies the saved tensors into *every* state key,
     'step' included, which the saved parameter state does not have (KeyError: 'step').  For
-    such optimizers the parameter state is loaded with the step tensors set aside.
+    such optimizers the parameter state is loaded with the step tensors set aside, and
+    each parameter gets a step tensor of its own: Megatron hands them all one shared tensor,
+    which torch's AdamW would then advance once per parameter in every step.
     """
     subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
     if not any(_torch_adam_distributed(s) for s in subs):
@@ -194,6 +196,6 @@ def load_optimizer_state(optimizer, state_dict) -> None:
             getattr(sub, _PARAM_STATE_LOADERS[kind])(param_state)
         finally:
             for p, step in steps.items():
-                sub.optimizer.state[p]["step"] = step
+                sub.optimizer.state[p]["step"] = step.clone()
     if len(subs) > 1:
         optimizer._synchronize_steps()
