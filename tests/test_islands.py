@@ -178,6 +178,10 @@ def test_checkpoint_resume_is_exact(suite):
         for name, t in last["after"].items():
             assert torch.equal(rec["resumed_after"][name], t), name
         assert rec["resumed_losses"] == rec["continued_losses"]
+        # the resumed run saved again; a run resumed from that one stays bitwise on track
+        assert rec["resumed_again_losses"] == rec["continued_again_losses"]
+        for name, t in rec["continued_again_params"].items():
+            assert torch.equal(rec["resumed_again_params"][name], t), name
 
 
 # ----------------------------------------------------------------------------- fault mode

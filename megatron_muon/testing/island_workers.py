@@ -86,6 +86,20 @@ def _island_run(gcfg, K: int, tp: int, pp: int, outer_kw: dict, rounds: int, H: 
                                              outer2.round * H, H)
         rec["continued_losses"] = _inner_steps(model, optim, sched, gcfg, layout.island,
                                                outer.round * H, H)
+        # the resumed run saves again, and a third model resumes from that: the lifecycle
+        # save -> resume -> save -> resume, against the uninterrupted run's next round
+        again = checkpoint + "_again"
+        save_island_checkpoint(again, model2, optim2, outer2)
+        model3, optim3, sched3 = _build(gcfg)
+        outer3 = IslandOuterStep(model3, layout, inner_optimizer=optim3, **outer_kw)
+        load_island_checkpoint(again, model3, optim3, outer3)
+        sched3.load_state_dict(sched2.state_dict())
+        for m, o, out_, sch, key in ((model3, optim3, outer3, sched3, "resumed_again"),
+                                     (model, optim, outer, sched, "continued_again")):
+            out_.step()
+            rec[f"{key}_losses"] = _inner_steps(m, o, sch, gcfg, layout.island,
+                                                out_.round * H, H)
+            rec[f"{key}_params"] = full_named_params(m)
     destroy_islands()
     return rec
 

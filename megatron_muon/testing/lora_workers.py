@@ -12,7 +12,7 @@ import torch.distributed as dist
 from .gpt import TinyGPTConfig, build_gpt, full_named_params, global_batch, init_parallel, \
     layout_ranks, train_step, wire_ddp_hooks
 
-__all__ = ["lora_train", "lora_tp1_checks"]
+__all__ = ["lora_train", "lora_tp1_checks", "lora_resume_chain"]
 
 LORA = dict(rank=4, alpha=8.0, targets=["qkv", "proj", "fc1", "fc2"], seed=3)
 OPT = dict(lr=0.01, momentum=0.9, extra_scale_factor=0.2, weight_decay=0.01)
@@ -268,4 +268,52 @@ def lora_tp1_checks(cfg: dict, tp2_checkpoint: str, steps: int = 4,
     ads = apply_lora(chunks, targets=["experts"], rank=2, alpha=2.0)
     out["moe_names"] = [a.global_name for a in ads]
     out["moe_b0_diff"] = float((token_losses(chunks, mcfg) - base_moe).abs().max())
+    return out
+
+
+def lora_resume_chain(cfg: dict, directory: str, tp: int = 1, optimizers=("smuon", "adam"),
+                      steps: int = 6, saves=(2, 4)) -> dict:
+    """Per LoRA optimizer: ``steps`` uninterrupted steps, and the same steps in segments that
+    each start from a fresh model and optimizer, load the adapters (``load_lora``) and the
+    optimizer state file written by the previous segment, and write their own.  Returns both
+    runs' losses and final adapters.  (The frozen base is re-created identically: its
+    weights are seeded by their global names.)"""
+    from megatron_muon.megatron.lora import full_lora_factors, load_lora, save_lora
+    from megatron_muon.megatron.lora_optimizer import LoRAOptimizer
+
+    init_parallel(tp=tp, seed=TinyGPTConfig().seed)
+    gcfg = TinyGPTConfig(**cfg)
+    lay = layout_ranks()
+    rank = dist.get_rank()
+
+    def fresh(name):
+        model = _build(gcfg, LORA)
+        return model, LoRAOptimizer(model, name, **OPT)
+
+    def run(model, optim, first, last):
+        return [train_step(model, optim, gcfg, s, lay["dp"], lay["dp_size"]).get("loss")
+                for s in range(first, last)]
+
+    out = {}
+    for name in optimizers:
+        model, optim = fresh(name)
+        whole = run(model, optim, 0, steps)
+        whole_factors = full_lora_factors(model)
+        bounds = [0, *saves, steps]
+        adapters = os.path.join(directory, f"{name}_adapters.pt")
+        state = os.path.join(directory, f"{name}_optimizer_rank{rank}.pt")
+        segs = []
+        for first, last in zip(bounds[:-1], bounds[1:]):
+            model, optim = fresh(name)
+            if first:
+                load_lora(adapters, model)
+                optim.load_state_dict(torch.load(state, weights_only=False))
+            segs += run(model, optim, first, last)
+            if last < steps:
+                dist.barrier()  # everyone has read the previous files
+                save_lora(adapters, model)
+                torch.save(optim.state_dict(), state)
+                dist.barrier()
+        out[name] = dict(whole=whole, chain=segs, whole_factors=whole_factors,
+                         chain_factors=full_lora_factors(model))
     return out
