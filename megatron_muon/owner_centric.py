@@ -11,7 +11,9 @@ rank at ``local_offset`` of that rank's flat buffer.  The executor
 ``replicate=True`` is the naive baseline: every rank receives every unit and
 orthogonalises all of them, then keeps its own pieces (no scatter).
 
-Index tables are built once; a step is index_select / all_to_all / bmm / index_copy.
+The exchange is described by blocks (``joint_blocks``): strided 2-D views of the flat
+buffers, a handful per piece, built once; a step is block copies / all_to_all / bmm, and a
+piece that already sits on its unit's owner is copied there directly.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from .plan import OwnerPlan
 from .trace import span
 from .units import Unit, unit_positions
 
-__all__ = ["Piece", "ShardedMatrix", "OwnerCentricNS"]
+__all__ = ["Piece", "ShardedMatrix", "OwnerCentricNS", "joint_blocks"]
 
 
 @dataclass(frozen=True)
@@ -69,14 +71,76 @@ class ShardedMatrix:
         return r * n + c
 
 
+# A block moves h x w elements between two flat buffers, row by row, as the strided views
+# (h, w) with row strides ``a_stride`` / ``b_stride`` at offsets ``a`` / ``b``: a tuple
+# (a, b, h, w, a_stride, b_stride).  Side a is the holder's flat buffer, side b the owner's
+# unit buffer.  Elements within a block are in canonical order (row by row).
+Block = tuple
+
+
+def joint_blocks(a_index: torch.Tensor, b_index: torch.Tensor) -> list:
+    """Compress an element map (element k: ``a_index[k]`` <-> ``b_index[k]``) into blocks.
+
+    Maximal runs in which both indices advance by one become rows; equal-length rows at
+    constant strides on both sides merge into one 2-D block.  A whole TP shard of a
+    row- or column-parallel matrix, or a QKV unit's blocks of rows, is one block, so the
+    bookkeeping is proportional to the number of pieces, not elements.
+    """
+    n = a_index.numel()
+    if n == 0:
+        return []
+    brk = ((a_index[1:] - a_index[:-1]) != 1) | ((b_index[1:] - b_index[:-1]) != 1)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(brk).squeeze(1) + 1])
+    lengths = torch.diff(starts, append=torch.tensor([n])).tolist()
+    ra, rb, starts = a_index[starts].tolist(), b_index[starts].tolist(), None
+    blocks, i, runs = [], 0, len(lengths)
+    while i < runs:
+        a, b, w, h = ra[i], rb[i], lengths[i], 1
+        sa = sb = w
+        if i + 1 < runs and lengths[i + 1] == w and ra[i + 1] - a >= w and rb[i + 1] - b >= w:
+            sa, sb, h = ra[i + 1] - a, rb[i + 1] - b, 2
+            while (i + h < runs and lengths[i + h] == w and ra[i + h] - ra[i + h - 1] == sa
+                   and rb[i + h] - rb[i + h - 1] == sb):
+                h += 1
+        blocks.append((a, b, h, w, sa, sb))
+        i += h
+    return blocks
+
+
+def _view(buf: torch.Tensor, offset: int, h: int, w: int, stride: int) -> torch.Tensor:
+    return buf.as_strided((h, w), (stride, 1), buf.storage_offset() + offset)
+
+
+def _numel(blocks) -> int:
+    return sum(h * w for _, _, h, w, _, _ in blocks)
+
+
 @dataclass
 class _Table:
-    """Per bucket: this rank's send index (into its flat buffer) and receive positions."""
+    """One exchange of one bucket, as this rank sees it.  ``src`` / ``dst`` say which side of
+    the blocks this rank reads (sends) and writes (receives): ``'a'`` (its flat buffer) or
+    ``'b'`` (its unit buffer).  ``local`` blocks never cross the wire: both sides are here."""
 
-    send_index: torch.Tensor
-    send_counts: list[int]
-    recv_pos: torch.Tensor  # positions in the owned-units buffer, in receive order
-    recv_counts: list[int]
+    send: list  # per peer rank: blocks whose src side this rank sends, in canonical order
+    recv: list  # per peer rank: blocks whose dst side this rank fills, in canonical order
+    local: list  # blocks copied from src to dst on this rank
+    src: str
+    dst: str
+
+    @property
+    def send_counts(self) -> list:
+        return [_numel(b) for b in self.send]
+
+    @property
+    def recv_counts(self) -> list:
+        return [_numel(b) for b in self.recv]
+
+    def blocks(self) -> int:
+        return sum(map(len, self.send)) + sum(map(len, self.recv)) + len(self.local)
+
+    def side(self, block, which: str) -> tuple:
+        a, b, h, w, sa, sb = block
+        return (a, h, w, sa) if which == "a" else (b, h, w, sb)
 
 
 class OwnerCentricNS:
@@ -126,15 +190,17 @@ class OwnerCentricNS:
              if p.rank == self.rank] or [0])
 
         # Canonical order, identical on both sides of every exchange: matrices in order,
-        # units in order, pieces in order, elements in local flat order.
-        gather: dict[int, tuple[list, list]] = {}
-        scatter: dict[int, tuple[list, list]] = {}
-        local_copy_src, local_copy_dst = [], []
+        # units in order, pieces in order, elements in local flat order.  Both sides
+        # compress the same element map, so they cut it into the same blocks.
+        world = range(self.world)
+        gather: dict[int, _Table] = {}
+        scatter: dict[int, _Table] = {}
+        self.local_copy: list = []  # naive mode: this rank's pieces of its own results
         for mat in self.matrices:
-            g = gather.setdefault(mat.bucket, ([[] for _ in range(self.world)],
-                                               [[] for _ in range(self.world)]))
-            s = scatter.setdefault(mat.bucket, ([[] for _ in range(self.world)],
-                                                [[] for _ in range(self.world)]))
+            g = gather.setdefault(mat.bucket, _Table([[] for _ in world], [[] for _ in world],
+                                                     [], src="a", dst="b"))
+            s = scatter.setdefault(mat.bucket, _Table([[] for _ in world], [[] for _ in world],
+                                                      [], src="b", dst="a"))
             unit_owners = [owners_of(mat, i) for i in range(len(mat.units))]
             i_own_some = any(self.rank in o for o in unit_owners)
             for piece in mat.pieces:
@@ -149,53 +215,50 @@ class OwnerCentricNS:
                     sel = pos >= 0
                     if not bool(sel.any()):
                         continue
-                    local_idx = torch.nonzero(sel).squeeze(1) + piece.local_offset
-                    upos = pos[sel]
-                    mine_pos = (upos + self.unit_offset[mat.unit_key(i)]
-                                if self.rank in owners else None)
+                    base = self.unit_offset.get(mat.unit_key(i), 0)
+                    blocks = [(a, b + base, h, w, sa, sb) for a, b, h, w, sa, sb in joint_blocks(
+                        torch.nonzero(sel).squeeze(1) + piece.local_offset, pos[sel])]
+                    held = piece.rank == self.rank
                     for owner in owners:
+                        mine_too = owner == self.rank
                         if piece.source:
-                            if piece.rank == self.rank:  # I send this to the owner
-                                g[0][owner].append(local_idx)
-                            if owner == self.rank:  # I receive it from the holder
-                                g[1][piece.rank].append(mine_pos)
+                            if held and mine_too:
+                                g.local.extend(blocks)
+                            elif held:  # I send this to the owner
+                                g.send[owner].extend(blocks)
+                            elif mine_too:  # I receive it from the holder
+                                g.recv[piece.rank].extend(blocks)
                         if replicate:
                             continue
-                        if owner == self.rank:  # I send the result back to the holder
-                            s[0][piece.rank].append(mine_pos)
-                        if piece.rank == self.rank:  # I receive my piece of the result
-                            s[1][owner].append(local_idx)
-                    if replicate and piece.rank == self.rank:
-                        local_copy_src.append(mine_pos)
-                        local_copy_dst.append(local_idx)
+                        if held and mine_too:
+                            s.local.extend(blocks)
+                        elif mine_too:  # I send the result back to the holder
+                            s.send[piece.rank].extend(blocks)
+                        elif held:  # I receive my piece of the result
+                            s.recv[owner].extend(blocks)
+                    if replicate and held:
+                        self.local_copy.extend(blocks)
 
-        def cat(xs):
-            return torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64)
-
-        def build(per_dest_send, per_src_recv):
-            send = [cat(x) for x in per_dest_send]
-            recv = [cat(x) for x in per_src_recv]
-            return _Table(send_index=cat(send).to(device), send_counts=[t.numel() for t in send],
-                          recv_pos=cat(recv).to(device), recv_counts=[t.numel() for t in recv])
-
-        self.gather_tables = {b: build(v[0], v[1]) for b, v in sorted(gather.items())}
-        # Scatter: the owner sends from its owned buffer, the holder writes into its flat buffer.
-        self.scatter_tables = {} if replicate else {
-            b: build(v[0], v[1]) for b, v in sorted(scatter.items())}
-        self.local_copy = (cat(local_copy_src).to(device), cat(local_copy_dst).to(device))
+        self.gather_tables = dict(sorted(gather.items()))
+        # Scatter: the owner sends from its unit buffer, the holder writes its flat buffer.
+        self.scatter_tables = {} if replicate else dict(sorted(scatter.items()))
 
     # ------------------------------------------------------------------ step
     def index_bytes(self) -> int:
+        """Bytes of exchange bookkeeping: six integers per block (their int64 size)."""
         tabs = list(self.gather_tables.values()) + list(self.scatter_tables.values())
-        n = sum(t.send_index.numel() + t.recv_pos.numel() for t in tabs)
-        return 8 * (n + self.local_copy[0].numel() + self.local_copy[1].numel())
+        return 48 * (sum(t.blocks() for t in tabs) + len(self.local_copy))
 
     def _exchange(self, t: _Table, src: torch.Tensor, dst: torch.Tensor, kind: str,
                   async_op: bool):
-        """src[t.send_index] -> all_to_all -> dst[t.recv_pos]; a handle for ``finish`` if async."""
-        recv, work = all_to_all_flat(src.index_select(0, t.send_index), t.send_counts,
-                                     t.recv_counts, self.group, self.stats, kind,
-                                     async_op=async_op)
+        """Blocks of ``src`` -> their peers' ``dst`` (one all-to-all; pieces that stay on this
+        rank are copied directly); a handle for ``finish`` if async."""
+        views = [_view(src, *t.side(b, t.src)).reshape(-1) for blocks in t.send for b in blocks]
+        send = torch.cat(views) if views else src.new_empty(0)
+        recv, work = all_to_all_flat(send, t.send_counts, t.recv_counts, self.group,
+                                     self.stats, kind, async_op=async_op)
+        for b in t.local:
+            _view(dst, *t.side(b, t.dst)).copy_(_view(src, *t.side(b, t.src)))
         handle = (t, recv, work)
         if async_op:
             return handle
@@ -207,7 +270,12 @@ class OwnerCentricNS:
         t, recv, work = handle
         if work is not None:
             work.wait()
-        dst.index_copy_(0, t.recv_pos, recv)
+        off = 0
+        for blocks in t.recv:
+            for b in blocks:
+                _, h, w, _ = view = t.side(b, t.dst)
+                _view(dst, *view).copy_(recv[off: off + h * w].view(h, w))
+                off += h * w
 
     def gather(self, local: torch.Tensor, bucket: int, owned: torch.Tensor,
                async_op: bool = False):
@@ -233,7 +301,8 @@ class OwnerCentricNS:
 
     def keep_local(self, result: torch.Tensor, out: torch.Tensor) -> None:
         """Naive mode: every rank computed every unit; keep this rank's pieces."""
-        out.index_copy_(0, self.local_copy[1], result.index_select(0, self.local_copy[0]))
+        for a, b, h, w, sa, sb in self.local_copy:
+            _view(out, a, h, w, sa).copy_(_view(result, b, h, w, sb))
 
     def run(self, local: torch.Tensor) -> torch.Tensor:
         """``local``: this rank's flat momentum-updated pieces -> its flat scaled NS pieces."""
