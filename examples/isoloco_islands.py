@@ -339,14 +339,11 @@ def launch_local(args, argv) -> int:
     logs = [None] + [Path(args.out_dir) / f"isoloco_islands.rank{r}.log"
                      for r in range(1, args.nproc)]
     procs = start_ranks([sys.executable, os.path.abspath(__file__), *argv], args.nproc, logs=logs)
-    code, _ = supervise(procs, args.timeout)
-    if code == 124:
-        print(f"error: timed out after {args.timeout:.0f} s", file=sys.stderr)
+    code, rank = supervise(procs, args.timeout)  # prints why it stopped early
     if code == 0:
         print(f"wall time {time.perf_counter() - T_LAUNCH:.0f} s", flush=True)
-    elif code not in (124, 130):
-        print(f"error: a rank failed (exit {code}); see the logs in {args.out_dir}",
-              file=sys.stderr)
+    elif rank is not None and logs[rank]:  # rank 0 prints to the terminal
+        print(f"rank {rank}'s output: {logs[rank]}", file=sys.stderr)
     return code
 
 

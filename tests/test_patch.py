@@ -323,10 +323,10 @@ def test_patched_training_builds_dmuon_optimizer(patched_tree, placement):
     """Megatron-LM's own setup_model_and_optimizer, patched, on one CPU rank (gloo); with
     --dmuon-placement matrix its get_model builds MatrixFSDP-placed DDP buffers, and with
     --dmuon-zero3 the parameters are sharded whole (ZeRO-3)."""
-    from megatron_muon.testing.launch import free_port
+    from megatron_muon.testing.launch import rank_env, rendezvous_store
 
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+    store = rendezvous_store()  # holds the port until the driver is done (no port race)
+    env = dict(os.environ, **rank_env(0, 1, store), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(patched_tree), str(REPO),
                                            os.environ.get("PYTHONPATH", "")]))
     extra = ["--dmuon-placement", "dmuon" if placement == "dmuon" else "matrix"]
