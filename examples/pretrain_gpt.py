@@ -540,6 +540,23 @@ def checkpoint_functions():
     return save_checkpoint, load_checkpoint
 
 
+def checkpoint_load_failed(err, rank: int):
+    """One line ``error: cannot load checkpoint ...``, no traceback, exit code 1, and no rank
+    trains on a partly loaded state.  When every rank raised it (they agreed), rank 0 prints
+    and the others wait for that before they exit; otherwise this rank prints and exits, and
+    the launcher (or torchrun) stops the others."""
+    import torch.distributed as dist
+
+    if rank == 0 or not err.all_ranks:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+    if err.all_ranks:
+        dist.barrier()
+        dist.destroy_process_group()
+        raise SystemExit(1)
+    sys.stdout.flush()
+    os._exit(1)  # the others may be inside a collective: no clean shutdown is possible
+
+
 def train(args) -> None:
     """The per-rank program (under torchrun, or started by ``launch_local``)."""
     import torch.distributed as dist
@@ -603,12 +620,18 @@ def train(args) -> None:
 
     start = 0
     if args.load:
+        from megatron_muon.megatron.checkpoint import CheckpointLoadError, no_checkpoint_reason
+
         save_ckpt, load_ckpt = checkpoint_functions()
-        if os.path.exists(os.path.join(args.load, "latest")):
-            start = load_ckpt(args.load, model, optimizer, scheduler)
-            say(f"resumed from {args.load} at iteration {start}")
+        missing = no_checkpoint_reason(args.load)  # Megatron-LM starts from scratch then
+        if missing:
+            say(f"WARNING: --load {args.load}: {missing}; starting from scratch")
         else:
-            say(f"--load {args.load}: no checkpoint there, starting from scratch")
+            try:
+                start = load_ckpt(args.load, model, optimizer, scheduler)
+            except CheckpointLoadError as err:
+                checkpoint_load_failed(err, rank)
+            say(f"resumed from {args.load} at iteration {start}")
     if args.save:
         save_ckpt, _ = checkpoint_functions()
     t_setup = time.perf_counter() - t_start

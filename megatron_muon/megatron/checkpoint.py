@@ -8,13 +8,16 @@ dist_checkpointing, not by us).
 
 from __future__ import annotations
 
+import json
 import os
+import zipfile
 from typing import Optional
 
 import torch.distributed as dist
 
 __all__ = ["save_checkpoint", "load_checkpoint", "sync_params", "SHARDING_TYPE",
-           "ScheduleMismatchError", "schedule_differences"]
+           "ScheduleMismatchError", "schedule_differences", "CheckpointLoadError",
+           "checkpoint_problem", "no_checkpoint_reason"]
 
 SHARDING_TYPE = "fully_reshardable"
 
@@ -102,6 +105,39 @@ def sync_params(model: list) -> None:
             chunk.start_param_sync(force_sync=True)
 
 
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint that cannot be loaded, as one line: ``cannot load checkpoint <path> on rank
+    <r>: <reason>`` (the reason names the file when it is known).
+
+    ``all_ranks``: every rank raised this same error (the ranks agreed on it, so none is left
+    waiting in a collective); otherwise only this rank did and the job must be stopped.  After
+    a failure inside the load itself the model and optimizer may be partly overwritten: do not
+    train on.
+    """
+
+    def __init__(self, path: str, rank: int, reason: str, all_ranks: bool = False):
+        self.path, self.rank, self.reason, self.all_ranks = path, rank, reason, all_ranks
+        super().__init__(f"cannot load checkpoint {path} on rank {rank}: {reason}")
+
+
+def _exc_text(exc: BaseException) -> str:
+    """``Type: first line of the message`` (one line, bounded)."""
+    text = " ".join(str(exc).split())
+    if len(text) > 200:
+        text = text[:197] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """Readers see the old content or the new, never a partial file."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
 def save_checkpoint(directory: str, model: list, optimizer, step: int, scheduler=None) -> str:
     """Write ``directory/iter_{step:07d}`` and a ``latest`` pointer; returns the path."""
     from megatron.core import dist_checkpointing
@@ -115,47 +151,200 @@ def save_checkpoint(directory: str, model: list, optimizer, step: int, scheduler
     dist.barrier()
     with gathered_params(model):  # ZeRO-3: parameters materialised while they are written
         dist_checkpointing.save(_sharded_state(model, optimizer, scheduler, step, False), path)
-    dist.barrier()
+    dist.barrier()  # every rank has written its part: only now does `latest` name it
     if dist.get_rank() == 0:
-        with open(os.path.join(directory, "latest"), "w") as fh:
-            fh.write(str(step))
+        _write_atomically(os.path.join(directory, "latest"), str(step))
     dist.barrier()
     return path
 
 
-def load_checkpoint(directory: str, model: list, optimizer, scheduler=None,
-                    step: Optional[int] = None) -> int:
-    """Load the latest (or ``step``) checkpoint in place; returns the step to resume from."""
-    from megatron.core import dist_checkpointing
+def no_checkpoint_reason(directory: str) -> Optional[str]:
+    """Why there is nothing to resume from in ``directory`` (no such directory, no ``latest``
+    file), or None when it has a ``latest`` file (which ``load_checkpoint`` then checks).
+    Megatron-LM starts from scratch in these cases; this says why."""
+    if not os.path.exists(directory):
+        return "no such directory"
+    if not os.path.isdir(directory):
+        return "not a directory"
+    if not os.path.exists(os.path.join(directory, "latest")):
+        return "no 'latest' file in it (no complete checkpoint was saved there)"
+    return None
 
+
+def _resolve(directory: str, step: Optional[int]) -> tuple[str, int]:
+    """The ``iter_XXXXXXX`` directory to load and its step; raises ``_Problem``."""
+    named_by = ""
     if step is None:
-        latest = os.path.join(directory, "latest")
-        if not os.path.exists(latest):
-            raise FileNotFoundError(f"no checkpoint in {directory!r} (missing 'latest' file)")
-        with open(latest) as fh:
-            step = int(fh.read().strip())
+        why = no_checkpoint_reason(directory)
+        if why is not None:
+            raise _Problem(directory, why)
+        try:
+            with open(os.path.join(directory, "latest")) as fh:
+                text = fh.read().strip()
+        except OSError as err:
+            raise _Problem(directory, f"cannot read its 'latest' file ({_exc_text(err)})") from None
+        if not text.isdigit():
+            shown = text[:40] + ("..." if len(text) > 40 else "")
+            raise _Problem(directory, f"its 'latest' file does not hold an iteration number "
+                                      f"(it holds {shown!r})")
+        step, named_by = int(text), " (its 'latest' file names it)"
     path = os.path.join(directory, f"iter_{step:07d}")
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+        raise _Problem(path, f"no such directory{named_by}")
+    return path, step
+
+
+class _Problem(Exception):
+    def __init__(self, path: str, reason: str):
+        super().__init__(reason)
+        self.path, self.reason = path, reason
+
+
+def checkpoint_problem(path: str) -> Optional[str]:
+    """What is wrong with the files of checkpoint directory ``path`` (one line), or None.
+
+    Checks what ``dist_checkpointing`` needs before it starts to load: ``metadata.json``
+    (backend), ``common.pt`` (a complete zip archive; megatron-core >= 0.17 stores that
+    state in the torch_dist data instead and writes no such file), and for torch_dist the
+    ``.metadata`` index and every ``*.distcp`` file it lists, each at least as long as the
+    last item the index places in it.  A truncated or deleted file is found here, by name.
+    Reads no tensor data; needs no process group.
+    """
+    meta_json = os.path.join(path, "metadata.json")
+    if not os.path.isfile(meta_json):
+        return "file metadata.json is missing (not a complete distributed checkpoint)"
+    try:
+        with open(meta_json) as fh:
+            config = json.load(fh)
+        backend = config["sharded_backend"]
+    except Exception as err:  # noqa: BLE001 -- any failure to read it is the answer
+        return f"file metadata.json is truncated or corrupt ({_exc_text(err)})"
+    common = os.path.join(path, "common.pt")
+    if os.path.isfile(common):
+        why = _common_pt_problem(common)
+        if why is not None:
+            return why
+    elif "common_backend" in config:  # megatron-core < 0.17 keeps non-tensor state there
+        return "file common.pt is missing"
+    if backend != "torch_dist":
+        return None
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        return "file .metadata is missing"
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        index = FileSystemReader(path).read_metadata()
+        needed: dict = {}
+        for info in index.storage_data.values():
+            end = info.offset + info.length
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    except Exception as err:  # noqa: BLE001
+        return f"file .metadata is truncated or corrupt ({_exc_text(err)})"
+    for name in sorted(needed):
+        f = os.path.join(path, name)
+        if not os.path.isfile(f):
+            return f"file {name} is missing"
+        size = os.path.getsize(f)
+        if size < needed[name]:
+            return (f"file {name} is truncated or corrupt ({size} bytes; the checkpoint's "
+                    f".metadata places data up to byte {needed[name]})")
+    return None
+
+
+def _common_pt_problem(common: str) -> Optional[str]:
+    with open(common, "rb") as fh:
+        head = fh.read(4)
+    if head not in (b"", b"PK\x03\x04"):  # not torch.save's zip archive: torch.load decides
+        return None
+    try:
+        with zipfile.ZipFile(common) as zf:
+            bad = zf.testzip()  # reads every member and checks its CRC
+    except Exception as err:  # noqa: BLE001
+        return f"file common.pt is truncated or corrupt ({_exc_text(err)})"
+    if bad is not None:
+        return f"file common.pt is corrupt (its member {bad} fails the CRC check)"
+    return None
+
+
+def _first_problem(problem: Optional[tuple]) -> None:
+    """Collective over all ranks: if any rank has a problem ``(path, reason)``, every rank
+    raises the same ``CheckpointLoadError`` naming the lowest such rank."""
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    for rank, p in enumerate(problems):
+        if p is not None:
+            raise CheckpointLoadError(p[0], rank, p[1], all_ranks=True)
+
+
+def _dcp_failure(err: BaseException, path: str) -> Optional[CheckpointLoadError]:
+    """torch.distributed.checkpoint reports a failure on any rank to every rank (its
+    ``CheckpointException`` carries each failed rank's exception), so all ranks can name
+    the same rank and reason without another collective."""
+    failures = getattr(err, "failures", None)
+    if type(err).__name__ != "CheckpointException" or not isinstance(failures, dict) \
+            or not failures:
+        return None
+    rank = min(failures)
+    exc = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+    return CheckpointLoadError(path, rank, f"its data cannot be read into this model: a file is "
+                                           f"corrupt or the checkpoint does not match the model "
+                                           f"({_exc_text(exc)})", all_ranks=True)
+
+
+def load_checkpoint(directory: str, model: list, optimizer, scheduler=None,
+                    step: Optional[int] = None) -> int:
+    """Load the latest (or ``step``) checkpoint in place; returns the step to resume from.
+
+    Collective over all ranks.  Any failure raises ``CheckpointLoadError`` (one line: the
+    checkpoint, the rank, the file when known).  Before anything is read every rank checks
+    the ``latest`` pointer and the checkpoint's files (``checkpoint_problem``) and the ranks
+    agree, so a missing or truncated file stops all of them at once, nothing loaded.
+    """
+    from megatron.core import dist_checkpointing
+
+    me = dist.get_rank()
+    try:
+        path, step = _resolve(directory, step)
+        why = checkpoint_problem(path)
+        problem = None if why is None else (path, why)
+    except _Problem as p:
+        path, problem = p.path, (p.path, p.reason)
+    _first_problem(problem)  # all ranks raise, or none
+
+    from .compat import load_optimizer_state
     from .zero3 import gathered_params
 
     note = None
     if scheduler is not None:  # a changed schedule fails before anything is loaded
         saved = dist_checkpointing.load_common_state_dict(path).get("opt_param_scheduler")
         note = _check_schedule(scheduler, saved) if saved is not None else None
-    with gathered_params(model):  # ZeRO-3: each rank keeps what it owns of the loaded model
-        state = dist_checkpointing.load(_sharded_state(model, optimizer, scheduler, step, True),
-                                        path)
-        if len(model) == 1:
-            _unwrap(model[0]).load_state_dict(state["model"])
-        else:
-            for i, m in enumerate(model):
-                _unwrap(m).load_state_dict(state[f"model{i}"])
-    from .compat import load_optimizer_state
+    try:
+        with gathered_params(model):  # ZeRO-3: each rank keeps what it owns of the loaded model
+            state = dist_checkpointing.load(
+                _sharded_state(model, optimizer, scheduler, step, True), path)
+            if len(model) == 1:
+                _unwrap(model[0]).load_state_dict(state["model"])
+            else:
+                for i, m in enumerate(model):
+                    _unwrap(m).load_state_dict(state[f"model{i}"])
+        load_optimizer_state(optimizer, state["optimizer"])
+        if scheduler is not None and "opt_param_scheduler" in state:
+            scheduler.load_state_dict(state["opt_param_scheduler"])
+            if note and me == 0:
+                print(note, flush=True)
+        return int(state["iteration"])
+    except CheckpointLoadError:
+        raise
+    except (Exception, _checkpoint_exception_type()) as err:  # DCP's is a BaseException
+        agreed = _dcp_failure(err, path)
+        if agreed is not None:
+            raise agreed from None
+        raise CheckpointLoadError(path, me, _exc_text(err)) from err
 
-    load_optimizer_state(optimizer, state["optimizer"])
-    if scheduler is not None and "opt_param_scheduler" in state:
-        scheduler.load_state_dict(state["opt_param_scheduler"])
-        if note and dist.get_rank() == 0:
-            print(note, flush=True)
-    return int(state["iteration"])
+
+def _checkpoint_exception_type() -> type:
+    try:
+        from torch.distributed.checkpoint.api import CheckpointException
+    except ImportError:  # pragma: no cover
+        return Exception
+    return CheckpointException
