@@ -267,6 +267,42 @@ def test_patched_parser_rejects_bad_values(parsed, case, status, message):
     assert message in parsed[case]["message"], parsed[case]["message"]
 
 
+_NO_PACKAGE_DRIVER = _SHIM + r"""
+import contextlib, io, sys
+sys.modules["megatron_muon"] = None  # as if megatron-muon were not installed
+import megatron.training.arguments as A
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "5"]
+for extra in ([], ["--dmuon-placement", "matrix"], ["--no-dmuon-overlap"]):
+    sys.argv = ["pretrain_gpt.py"] + BASE + extra
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            args = A.parse_args()
+        print("PARSED", args.optimizer)
+    except ImportError as err:
+        print("IMPORTERROR", err)
+"""
+
+
+@needs_training
+@pytest.mark.timeout(300)
+def test_patched_parser_without_the_package_names_it(patched_tree):
+    """Without megatron-muon a --dmuon-* flag says the package is needed (it used to be
+    'unrecognized arguments'); without such flags Megatron-LM parses as before."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(patched_tree),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", _NO_PACKAGE_DRIVER],
+                         capture_output=True, text=True, timeout=240, env=env)
+    lines = [l for l in out.stdout.splitlines() if l.startswith(("PARSED", "IMPORTERROR"))]
+    assert lines == [
+        "PARSED adam",
+        "IMPORTERROR --dmuon-placement needs the megatron-muon package (pip install megatron-muon)",
+        "IMPORTERROR --no-dmuon-overlap needs the megatron-muon package (pip install megatron-muon)",
+    ], out.stdout[-3000:] + out.stderr[-3000:]
+
+
 _SETUP_DRIVER = _SHIM + r"""
 import datetime, os, sys
 import torch.distributed as dist

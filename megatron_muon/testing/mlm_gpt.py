@@ -1,0 +1,169 @@
+"""A small GPT pretraining script for Megatron-LM's training loop (tests, README).
+
+It drives ``megatron.training.pretrain`` the way Megatron-LM's own ``pretrain_gpt.py``
+does: arguments from ``parse_and_validate_args``, a ``GPTModelConfig`` in a config
+container (``builder.build_distributed_models`` builds the model), mock data.  With
+``--legacy-model-provider`` it passes a ``model_provider`` function instead (the
+``get_model`` path).  Every rank reads its own batches (no TP broadcast), which keeps the
+forward step independent of Megatron-LM's batch helpers.
+
+With ``MLM_GPT_RUNS=spec.json`` it runs several trainings in one launch (tests: the
+imports and process start dominate a tiny run on CPU): ``{"out": DIR, "runs": [[name,
+[extra args]], ...]}``; each run gets the command line's arguments plus its own, its
+stdout goes to ``DIR/<name>.rank<R>.log`` and its per-iteration loss (full precision,
+reduced over data parallel like Megatron-LM's ``lm loss``) to ``DIR/<name>.json``.
+Between runs Megatron-LM's global state is reset (``unset_global_variables``,
+``destroy_rerun_state_machine``, ``destroy_model_parallel``).
+
+Needs ``megatron/training`` (megatron-core >= 0.17 or a Megatron-LM checkout), patched
+for ``--optimizer dmuon``.  On CPU:
+
+    python -m megatron_muon.megatron.cpu_run --nproc 4 megatron_muon/testing/mlm_gpt.py \\
+        --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 \\
+        --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 \\
+        --vocab-size 256 --lr 1e-3 --train-iters 10 --optimizer dmuon --use-distributed-optimizer
+"""
+
+import contextlib
+import json
+import os
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.training import get_args, get_tokenizer, pretrain
+from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args
+
+
+def extra_args(parser):
+    group = parser.add_argument_group(title="mlm_gpt")
+    group.add_argument("--legacy-model-provider", action="store_true",
+                       help="build the model with a model_provider function (get_model) "
+                            "instead of a GPTModelConfig in the config container")
+    return parser
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
+                   pg_collection=None):
+    args = get_args()
+    config = config or core_transformer_config_from_args(args)
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                    vocab_size=args.padded_vocab_size,
+                    max_sequence_length=args.max_position_embeddings,
+                    pre_process=pre_process, post_process=post_process,
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    position_embedding_type=args.position_embedding_type,
+                    pg_collection=pg_collection, vp_stage=vp_stage)
+
+
+_RECORDED = []  # (loss sum, tokens) of every microbatch of this rank, for MLM_GPT_RUNS
+
+
+def loss_func(loss_mask, output_tensor):
+    losses = output_tensor.view(-1).float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    _RECORDED.append((loss.detach().double().item(), float(num_tokens.item())))
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1),
+                                                    num_tokens.view(1)])}
+
+
+def forward_step(data_iterator, model):
+    batch = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in next(data_iterator).items()}
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                   labels=batch["labels"], loss_mask=batch["loss_mask"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def datasets_provider(train_val_test_num_samples, vp_stage=None):
+    args = get_args()
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, split=args.split,
+        tokenizer=get_tokenizer(), reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        path_to_cache=args.data_cache_path)
+    return BlendedMegatronDatasetBuilder(MockGPTDataset, train_val_test_num_samples,
+                                         lambda: True, config).build()
+
+
+datasets_provider.is_distributed = True  # every rank builds its loader (see the docstring)
+
+
+def main():
+    args = parse_and_validate_args(extra_args_provider=extra_args)
+    if args.legacy_model_provider:
+        cfg = pretrain_cfg_container_from_args(args)
+        pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step,
+                 model_provider=model_provider)
+    else:
+        cfg = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+        pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step)
+
+
+def _iteration_losses() -> list:
+    """This run's loss per iteration, as Megatron-LM reports ``lm loss`` (sum of the loss
+    over the DP ranks' microbatches / their tokens), at full precision; None off the last
+    pipeline stage."""
+    from megatron.core import mpu
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    if not mpu.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    t = torch.tensor(_RECORDED, dtype=torch.float64).view(-1, 2)
+    torch.distributed.all_reduce(t, group=mpu.get_data_parallel_group())
+    per_iter = t.view(-1, get_num_microbatches(), 2).sum(dim=1)
+    return (per_iter[:, 0] / per_iter[:, 1]).tolist()
+
+
+def _reset_megatron() -> None:
+    from megatron.core import mpu
+    from megatron.core.rerun_state_machine import destroy_rerun_state_machine
+    from megatron.training.global_vars import unset_global_variables
+
+    torch.distributed.barrier()
+    unset_global_variables()
+    destroy_rerun_state_machine()
+    mpu.destroy_model_parallel()
+
+
+def run_many(spec_path: str) -> None:
+    from megatron_muon.megatron.cpu_mode import cpu_mode_active
+    from megatron_muon.megatron.cpu_run import with_cpu_defaults
+
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(spec["out"])
+    rank = int(os.environ.get("RANK", "0"))
+    common = sys.argv[1:]
+    for name, extra in spec["runs"]:
+        argv = common + list(extra)
+        sys.argv = [sys.argv[0]] + (with_cpu_defaults(argv) if cpu_mode_active() else argv)
+        _RECORDED.clear()
+        with open(out / f"{name}.rank{rank}.log", "w") as log, contextlib.redirect_stdout(log):
+            main()
+            from megatron.core import mpu
+            from megatron.training import get_args
+
+            losses = _iteration_losses()
+            if losses is not None and mpu.get_data_parallel_rank() == 0 and \
+                    mpu.get_tensor_model_parallel_rank() == 0:
+                start = get_args().iteration  # the iteration it started from (resumed)
+                (out / f"{name}.json").write_text(json.dumps(
+                    {"losses": losses, "first_iteration": start + 1}))
+            _reset_megatron()
+
+
+if __name__ == "__main__":
+    if os.environ.get("MLM_GPT_RUNS"):
+        run_many(os.environ["MLM_GPT_RUNS"])
+    else:
+        main()
