@@ -474,7 +474,7 @@ def build_optimizer(args, model):
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.lr_decay_iters,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
-        end_wd=args.weight_decay, wd_incr_steps=args.train_iters, wd_incr_style="constant",
+        end_wd=args.weight_decay, wd_incr_steps=args.lr_decay_iters, wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=args.override_opt_param_scheduler)
     return optimizer, scheduler

@@ -257,7 +257,8 @@ def test_launch_concurrent_jobs_do_not_race_for_ports():
 _CKPT_SCRIPT = REPO / "examples" / "pretrain_gpt.py"
 _CKPT_TINY = ["--nproc", "2", "--tensor-model-parallel-size", "1", "--hidden-size", "64",
               "--num-layers", "2", "--seq-length", "32", "--global-batch-size", "4",
-              "--micro-batch-size", "2", "--lr-warmup-iters", "1", "--log-interval", "1"]
+              "--micro-batch-size", "2", "--lr-warmup-iters", "1", "--log-interval", "1",
+              "--lr-decay-iters", "1000"]  # one schedule for the saving and resuming runs
 _CKPT_PROMPT_S = 240  # far below the 10-minute collective timeout that a hang would take
 
 

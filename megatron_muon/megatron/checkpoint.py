@@ -22,12 +22,6 @@ __all__ = ["save_checkpoint", "load_checkpoint", "sync_params", "SHARDING_TYPE",
 SHARDING_TYPE = "fully_reshardable"
 
 
-class ScheduleMismatchError(ValueError):
-    """The checkpoint's LR / weight-decay schedule differs from the one asked for, and
-    neither ``use_checkpoint_opt_param_scheduler`` nor ``override_opt_param_scheduler``
-    says which one wins (Megatron-LM's rule)."""
-
-
 # OptimizerParamScheduler state -> the command-line flag it comes from
 _SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
                    "lr_decay_steps": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style",
@@ -39,15 +33,12 @@ _SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "-
 def schedule_differences(scheduler, saved: dict) -> list:
     """``[(flag, this run's value, checkpoint's value)]`` for every schedule setting that
     differs between ``scheduler`` and a saved ``OptimizerParamScheduler.state_dict()``."""
-    now = scheduler.state_dict()
-    keys = list(_SCHEDULE_FLAGS)
-    if now.get("wd_incr_style") == saved.get("wd_incr_style") == "constant":
-        keys.remove("wd_incr_steps")  # a constant weight decay does not depend on it
-    return [(_SCHEDULE_FLAGS[k], now[k], saved[k]) for k in keys
+    now = scheduler.state_dict()  # the same settings Megatron's load_state_dict checks
+    return [(flag, now[k], saved[k]) for k, flag in _SCHEDULE_FLAGS.items()
             if k in saved and k in now and now[k] != saved[k]]
 
 
-def _check_schedule(scheduler, saved: dict):
+def _check_schedule(scheduler, saved: dict, path: str):
     """Megatron-LM's rule for a schedule that changed on resume, as one clear error (raised
     before anything is loaded) or the one line to print that says which schedule is used."""
     diffs = schedule_differences(scheduler, saved)
@@ -60,9 +51,10 @@ def _check_schedule(scheduler, saved: dict):
                             for flag, ours, theirs in diffs))
     elif diffs:
         raise ScheduleMismatchError(
-            f"the checkpoint's LR schedule differs from this run's: {text}; pass "
+            path, dist.get_rank(),
+            f"its LR schedule differs from this run's: {text}; pass "
             "--use-checkpoint-opt-param-scheduler to keep the checkpoint's or "
-            "--override-opt-param-scheduler to use the command line's")
+            "--override-opt-param-scheduler to use the command line's", all_ranks=True)
     else:
         note = None
     return note
@@ -118,6 +110,12 @@ class CheckpointLoadError(RuntimeError):
     def __init__(self, path: str, rank: int, reason: str, all_ranks: bool = False):
         self.path, self.rank, self.reason, self.all_ranks = path, rank, reason, all_ranks
         super().__init__(f"cannot load checkpoint {path} on rank {rank}: {reason}")
+
+
+class ScheduleMismatchError(CheckpointLoadError):
+    """The checkpoint's LR / weight-decay schedule differs from the one asked for, and
+    neither ``use_checkpoint_opt_param_scheduler`` nor ``override_opt_param_scheduler``
+    says which one wins (Megatron-LM's rule).  Every rank raises it, before anything loads."""
 
 
 def _exc_text(exc: BaseException) -> str:
@@ -317,7 +315,7 @@ def load_checkpoint(directory: str, model: list, optimizer, scheduler=None,
     note = None
     if scheduler is not None:  # a changed schedule fails before anything is loaded
         saved = dist_checkpointing.load_common_state_dict(path).get("opt_param_scheduler")
-        note = _check_schedule(scheduler, saved) if saved is not None else None
+        note = _check_schedule(scheduler, saved, path) if saved is not None else None
     try:
         with gathered_params(model):  # ZeRO-3: each rank keeps what it owns of the loaded model
             state = dist_checkpointing.load(

@@ -199,8 +199,9 @@ def supervise(procs: list, timeout: Optional[float] = None, *, report: bool = Tr
     SIGTERM: 143, SIGHUP: 129; handled while it waits, in the main thread).  When a rank
     fails the others would block in a collective, so they are stopped.  Never leaves a
     process behind: at the end every rank's process group is killed (see ``_stop``).  With
-    ``report``, one line on stderr says why the launch stopped early (e.g. ``error: rank 2 was
-    killed by signal SIGKILL; stopping the other ranks`` or ``interrupted: stopped 4 ranks``).
+    ``report``, one line on stderr says why the launch stopped early where no rank could say
+    it (``error: rank 2 was killed by signal SIGKILL; stopping the other ranks``, a timeout,
+    ``interrupted: stopped 4 ranks``); a rank that exits with an error code has said why.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if report else (lambda msg: None)
@@ -225,8 +226,9 @@ def supervise(procs: list, timeout: Optional[float] = None, *, report: bool = Tr
                     # a rank killed by a signal first: the others usually fail because of it
                     rank = min(bad, key=lambda r: (codes[r] >= 0, r))
                     code = 128 - codes[rank] if codes[rank] < 0 else codes[rank]
-                    say(f"error: rank {rank} {describe_exit(codes[rank])}; "
-                        "stopping the other ranks")
+                    if codes[rank] < 0:  # a rank that exits with a code has said why
+                        say(f"error: rank {rank} {describe_exit(codes[rank])}; "
+                            "stopping the other ranks")
                     break
                 if all(c == 0 for c in codes):
                     break
