@@ -40,7 +40,9 @@ Output: rank 0 prints one line every --log-interval iterations (iteration, loss,
 grad norm, tokens/s, ms/step) and a summary at the end (first and last loss, total time,
 step time split into forward-backward and optimizer step, taken as the max over ranks);
 ``--log-json`` writes the per-step losses and timings.  Bad input ends with a one-line
-``error: ...`` and exit code 2.
+``error: ...`` and exit code 2.  As in Megatron-LM (``--check-for-nan-in-loss-and-grad``, on
+by default), a NaN or Inf loss or gradient stops the run with one ``error: iteration N: ...``
+line and exit code 1.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 import sysconfig
 import time
@@ -74,6 +77,20 @@ EOD = 0  # the NUL byte: never part of Python source or of a text file
 
 class UsageError(Exception):
     """Bad input: reported as one line, ``error: <message>``, exit code 2."""
+
+
+class TrainingError(Exception):
+    """The run cannot go on (a NaN/Inf loss or gradient): one line per job,
+    ``error: <message>``, exit code 1."""
+
+
+class NonFinite(Exception):
+    """A NaN/Inf loss or gradient norm found by this script's checks; ``local``: seen by this
+    rank alone (a microbatch's loss), else the same on every rank (reduced values)."""
+
+    def __init__(self, message: str, local: bool = False):
+        super().__init__(message)
+        self.local = local
 
 
 # =========================================================================== arguments
@@ -137,6 +154,10 @@ def get_args(argv=None) -> argparse.Namespace:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.95)
     g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction,
+                   default=True, help="stop at a NaN/Inf loss (each microbatch), local "
+                   "gradient (Megatron DDP's check_for_nan_in_grad, before the data-parallel "
+                   "reduction) or gradient norm, as Megatron-LM does by default")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", default=None,
@@ -188,6 +209,7 @@ def check_args(args, world_size: int) -> None:
             ("--num-attention-heads", args.num_attention_heads, tp, "TP"),
             ("--num-query-groups", args.num_query_groups, tp, "TP"),
             ("--num-layers", args.num_layers, pp, "PP"),
+            ("--ffn-hidden-size", args.ffn_hidden_size, tp, "TP"),
             ("--hidden-size", args.hidden_size, args.num_attention_heads, "the number of heads"),
             ("--num-attention-heads", args.num_attention_heads, args.num_query_groups,
              "--num-query-groups"),
@@ -195,6 +217,11 @@ def check_args(args, world_size: int) -> None:
              f"micro batch x DP = {args.micro_batch_size} x {dp}")):
         if value < 1 or value % div != 0:
             raise UsageError(f"{name} {value} must be a positive multiple of {what} ({div})")
+    head_dim = args.hidden_size // args.num_attention_heads
+    if head_dim % 2:  # RoPE rotates pairs of channels: an odd head dim fails deep in the model
+        raise UsageError(f"--hidden-size {args.hidden_size} / --num-attention-heads "
+                         f"{args.num_attention_heads} = head dim {head_dim}, but rotary position "
+                         "embeddings need an even head dim")
     for name in ("train_iters", "seq_length", "micro_batch_size", "log_interval"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
@@ -448,6 +475,7 @@ def build_model(args) -> list:
         model = Float16Module(config, model)  # bf16 weights, fp32 logits/loss
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,  # as Megatron-LM
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather, bucket_size=args.ddp_bucket_size)
     placement = contextlib.nullcontext()
@@ -481,16 +509,22 @@ def build_optimizer(args, model):
 
 
 # =========================================================================== training
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, check: bool = False):
     """Megatron's forward_step_func: run one microbatch, return (output, loss_func)."""
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"])
+    return output, partial(loss_func, batch["loss_mask"], check=check)
 
 
-def loss_func(loss_mask, output_tensor):
+def _kind(x: float) -> str:
+    return "NaN" if math.isnan(x) else "+Inf" if x > 0 else "-Inf"
+
+
+def loss_func(loss_mask, output_tensor, check: bool = False):
     losses = output_tensor.float()
     loss = (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+    if check and not bool(torch.isfinite(loss)):  # Megatron-LM's pretrain_gpt checks here too
+        raise NonFinite(f"loss is {_kind(float(loss.detach()))}", local=True)
     return loss, {"lm loss": loss.detach().clone()}  # clone: Megatron scales `loss` in place
 
 
@@ -508,13 +542,19 @@ def train_step(args, model, optimizer, batches) -> tuple[float, float, float, fl
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    check = args.check_for_nan_in_loss_and_grad
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(batches), model=model[0],
+        forward_step_func=partial(forward_step, check=check), data_iterator=iter(batches),
+        model=model[0],
         num_microbatches=len(batches), seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, forward_only=False)
     _sync()
     t1 = time.perf_counter()
-    _, grad_norm, _ = optimizer.step()  # DMuon: gather -> Newton-Schulz on owners -> scatter
+    # DMuon: gather -> Newton-Schulz on owners -> scatter.  The grad norm is global (the same
+    # on every rank); a step skipped by a loss scaler's found-inf (fp16) returns no norm.
+    updated, grad_norm, _ = optimizer.step()
+    if check and updated and grad_norm is not None and not math.isfinite(grad_norm):
+        raise NonFinite(f"gradient norm is {_kind(grad_norm)}")
     _sync()
     t2 = time.perf_counter()
     loss = float(torch.stack([x["lm loss"] for x in losses]).mean()) if losses else float("nan")
@@ -530,6 +570,79 @@ def global_mean_loss(loss: float) -> float:
                      device="cuda" if torch.cuda.is_available() else "cpu")
     dist.all_reduce(t)
     return float(t[0] / t[1])
+
+
+# Megatron DDP's check_for_nan_in_grad (the rerun state machine's RuntimeError)
+_MEGATRON_GRAD_CHECK = re.compile(r"found (NaN|Inf) in local grad norm for bucket #(\d+)")
+
+
+def training_error(args, iteration: int, rank: int, err: Exception):
+    """The one-line ``TrainingError`` for a known fault of iteration ``iteration``, else None.
+
+    Known: this script's NaN/Inf checks (loss, gradient norm), Megatron DDP's local gradient
+    check (``check_for_nan_in_grad``) and DMuon's ``--dmuon-check-finite``
+    (``FloatingPointError``); anything else keeps its traceback.
+    """
+    hint = (f"the training diverged: lower --lr (now {args.lr:g}) or check the data "
+            "(--no-check-for-nan-in-loss-and-grad trains on regardless)")
+    if isinstance(err, NonFinite):
+        where = f" on rank {rank}" if err.local else ""
+        return TrainingError(f"iteration {iteration}: {err}{where}; {hint}")
+    match = _MEGATRON_GRAD_CHECK.search(str(err))
+    if match is not None:
+        return TrainingError(f"iteration {iteration}: gradient is {match[1]} on rank {rank} "
+                             f"(bucket #{match[2]}, before the data-parallel reduction); {hint}")
+    if isinstance(err, FloatingPointError):  # --dmuon-check-finite, on the ranks that hold it
+        return TrainingError(f"iteration {iteration}: rank {rank}: {err} (--lr {args.lr:g})")
+    return None
+
+
+def report_once(message: str) -> None:
+    """Print ``message`` on one rank of the job: the first to get here.
+
+    A NaN usually reaches every replica, so several ranks fail at once; the torch.distributed
+    store (hosted by rank 0, or by torchrun's agent) counts them and the first prints.  Where
+    the store is gone its host (rank 0) has exited, after reporting.  The first lingers a
+    moment if it hosts the store, so that the others still reach it; they wait longer: the
+    launcher (or torchrun) ends the job when the first failed rank exits.
+    """
+    import torch.distributed as dist
+
+    rank = int(os.environ.get("RANK", 0))
+    first = rank == 0
+    if dist.is_available() and dist.is_initialized():
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set_timeout(datetime.timedelta(seconds=10))
+            first = store.add("pretrain_gpt/errors_reported", 1) == 1
+        except Exception:
+            first = False
+    if first:
+        print(message, file=sys.stderr, flush=True)
+    time.sleep(0.5 if first and rank == 0 else 0.0 if first else 2.0)
+
+
+# A collective whose peer has exited (gloo raises; NCCL ranks are stopped by the launcher):
+# the consequence of another rank's failure, which that rank reported.
+_PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker "
+                        r"crash|remote process exited|communicator was aborted", re.IGNORECASE)
+
+
+def init_rerun_state_machine() -> None:
+    """Megatron DDP's NaN check (``check_for_nan_in_grad``) reports through Megatron's rerun
+    state machine; build it here, disabled (no reruns), as Megatron-LM's initialisation does,
+    instead of implicitly with a warning at the first check."""
+    import logging
+
+    from megatron.core import rerun_state_machine as rsm
+
+    log = logging.getLogger(rsm.__name__)
+    level = log.level
+    log.setLevel(logging.ERROR)  # "RerunStateMachine initialized in mode disabled"
+    try:
+        rsm.initialize_rerun_state_machine(mode=rsm.RerunMode.DISABLED)
+    finally:
+        log.setLevel(level)
 
 
 def checkpoint_functions():
@@ -576,6 +689,7 @@ def train(args) -> None:
     dist.init_process_group(backend=default_backend(), timeout=datetime.timedelta(minutes=10))
     init_parallel(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                   seed=args.seed)  # Megatron's TP/PP/DP groups and RNG trackers
+    init_rerun_state_machine()
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     dp_rank = ps.get_data_parallel_rank()
 
@@ -641,10 +755,19 @@ def train(args) -> None:
     t_train = time.perf_counter()
     for step in range(start, args.train_iters):
         batches = get_microbatches(dataset, args, step, dp_rank)
-        loss, grad_norm, t_fb, t_opt = train_step(args, model, optimizer, batches)
+        try:
+            loss, grad_norm, t_fb, t_opt = train_step(args, model, optimizer, batches)
+        except Exception as err:
+            known = training_error(args, step + 1, rank, err)
+            if known is None:
+                raise
+            raise known from None
         lr = optimizer.param_groups[0]["lr"]
         scheduler.step(increment=1)
         loss = global_mean_loss(loss)
+        if args.check_for_nan_in_loss_and_grad and not math.isfinite(loss):  # the same everywhere
+            raise training_error(args, step + 1, rank, NonFinite(
+                f"loss (mean over data-parallel ranks) is {_kind(loss)}"))
         log.append(dict(iter=step + 1, loss=loss, lr=lr, grad_norm=grad_norm,
                         fwd_bwd_ms=1e3 * t_fb, optimizer_ms=1e3 * t_opt))
         if (step + 1) % args.log_interval == 0 or step + 1 in (start + 1, args.train_iters):
@@ -773,7 +896,25 @@ def main(argv=None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
+    except TrainingError as err:  # a rank: the others may be blocked in a collective
+        report_once(f"error: {err}")
+        return 1
+    except Exception as err:
+        if under_launcher and _PEER_LOST.search(str(err)):
+            return 1  # another rank failed first and said why: no second report
+        raise
+
+
+def exit_with(code: int) -> None:
+    """``sys.exit(code)``; a failed rank leaves at once (``os._exit``): tearing down the
+    process group would wait for peers that are blocked in a collective (the launcher, or
+    torchrun, stops them)."""
+    if code and "RANK" in os.environ:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -146,7 +146,7 @@ def worker(cfg: dict, tp: int, optimizers: list, steps: int, warmup: int, prec: 
                 rec.update(sent=st["comm"]["bytes_sent"] / per,
                            received=st["comm"]["bytes_received"] / per,
                            state=st["state_bytes"], muon_bytes=4 * st["muon_numel"],
-                           imbalance=st["plan_imbalance"])
+                           imbalance=st["plan_imbalance"], bookkeeping=st["index_bytes"])
         out[name] = rec
         del optim, model
     return out
@@ -264,6 +264,12 @@ def main(argv=None) -> int:
         print(f"# Muon matrix bytes per stage {mb / 1024:.0f} KiB; bound 2(N-1)/N^2 x that = "
               f"{2 * (n - 1) / n**2 * mb / 1024:.0f} KiB per rank per step; "
               f"dmuon plan imbalance {100 * res[0]['dmuon']['imbalance']:.1f}%")
+    for name in opts:
+        if "bookkeeping" in res[0].get(name, {}):
+            book = max(r[name]["bookkeeping"] for r in res)
+            state = max(r[name]["state"] for r in res)
+            print(f"# {name}: exchange bookkeeping per rank (max) {book / 1024:.1f} KiB = "
+                  f"{100 * book / max(state, 1):.2f}% of its Muon momentum bytes")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(res, fh, indent=1)
