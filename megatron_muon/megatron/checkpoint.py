@@ -1,9 +1,12 @@
 """Save and resume model + optimizer (+ LR scheduler) with ``megatron.core.dist_checkpointing``.
 
-The optimizer state uses Megatron's ``fully_sharded_model_space`` format: every main
-param and momentum shard is a flattened slice of a model-space ShardedTensor, so a
-checkpoint written on one DP/TP layout loads on another (resharding is done by
-dist_checkpointing, not by us).
+Optimizer state is stored in model space, so a checkpoint written on one DP / TP / PP layout
+loads on another (dist_checkpointing reshards it): DMuon and its AdamW subset write each
+managed parameter's main param and state as whole TP-local ShardedTensors (summed over the
+DP group at save); Megatron's own optimizers (``adam``) use its ``fully_reshardable`` format
+(``SHARDING_TYPE``).  A resumed run saves again; a changed LR schedule follows Megatron-LM's
+rule (``--use-checkpoint-opt-param-scheduler`` / ``--override-opt-param-scheduler``); a
+damaged checkpoint is one ``CheckpointLoadError`` line, raised before anything loads.
 """
 
 from __future__ import annotations
