@@ -46,12 +46,18 @@ PRIMARY_LANE_ONLY = {
 }
 
 
+# The launcher's fault tests (tests/test_faults.py, test_launch_*) never import Megatron.
+LAUNCHER_TESTS = ("test_faults.py", "test_launch_")
+
+
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("MEGATRON_MUON_CI_LANE") != "secondary":
         return
     skip = pytest.mark.skip(reason="runs in the primary CI lane only (tests/conftest.py)")
     for item in items:
         if item.path.name in MEGATRON_AGNOSTIC or \
+                (item.path.name == LAUNCHER_TESTS[0] and
+                 item.originalname.startswith(LAUNCHER_TESTS[1])) or \
                 (item.path.name, item.originalname) in PRIMARY_LANE_ONLY or \
                 (item.path.name, item.name) in PRIMARY_LANE_ONLY:
             item.add_marker(skip)
