@@ -18,6 +18,7 @@ piece that already sits on its unit's owner is copied there directly.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -92,7 +93,7 @@ def joint_blocks(a_index: torch.Tensor, b_index: torch.Tensor) -> list:
     brk = ((a_index[1:] - a_index[:-1]) != 1) | ((b_index[1:] - b_index[:-1]) != 1)
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(brk).squeeze(1) + 1])
     lengths = torch.diff(starts, append=torch.tensor([n])).tolist()
-    ra, rb, starts = a_index[starts].tolist(), b_index[starts].tolist(), None
+    ra, rb = a_index[starts].tolist(), b_index[starts].tolist()
     blocks, i, runs = [], 0, len(lengths)
     while i < runs:
         a, b, w, h = ra[i], rb[i], lengths[i], 1
@@ -127,11 +128,12 @@ class _Table:
     src: str
     dst: str
 
-    @property
+    # the blocks are fixed once the engine is built: count them once, not in every exchange
+    @functools.cached_property
     def send_counts(self) -> list:
         return [_numel(b) for b in self.send]
 
-    @property
+    @functools.cached_property
     def recv_counts(self) -> list:
         return [_numel(b) for b in self.recv]
 
