@@ -51,7 +51,10 @@ COMMON = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "
           "--global-batch-size", "8", "--vocab-size", "256", "--lr", "1e-3",
           "--train-iters", str(STEPS), "--eval-interval", "1000", "--log-interval", "1",
           "--seed", "1234", "--hidden-dropout", "0", "--attention-dropout", "0",
-          "--use-distributed-optimizer", "--ckpt-format", "torch_dist"]
+          "--use-distributed-optimizer", "--ckpt-format", "torch_dist",
+          # a collective that waits this long fails with gloo's error naming it, well inside
+          # the launch's timeout (Megatron-LM's default is 10 minutes)
+          "--distributed-timeout-minutes", "4"]
 
 # Matrix placement / ZeRO-3 vs default DMuon, and TP2 x DP2 vs DP4: the same model and data,
 # only the fp32 summation order differs (gloo's reduce-scatter sums each gradient element
@@ -111,10 +114,14 @@ def runs(tmp_path_factory):
         if path.exists():
             results[name] = json.loads(path.read_text())
     if proc.returncode != 0 or len(results) != len(spec["runs"]):
-        logs = sorted(out.glob("*.rank*.log"), key=lambda p: p.stat().st_mtime)[-2:]
-        tails = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in logs)
-        pytest.fail(f"cpu_run exited {proc.returncode}; results for {sorted(results)}\n"
-                    f"{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}\n{tails}")
+        failed = next(name for name, _ in spec["runs"] if name not in results)
+        tails = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}"
+                          for p in sorted(out.glob(f"{failed}.rank*.log")))
+        errors = list(dict.fromkeys(line for line in proc.stderr.splitlines()
+                                    if "Error" in line or "error:" in line))
+        pytest.fail(f"cpu_run exited {proc.returncode}; run {failed!r} failed; results for "
+                    f"{sorted(results)}\nerror lines of the launch:\n" + "\n".join(errors[:20]) +
+                    f"\nthe failing run's rank logs:\n{tails}")
     return out, results
 
 

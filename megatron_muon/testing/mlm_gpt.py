@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import sys
+import traceback
 from functools import partial
 from pathlib import Path
 
@@ -149,7 +150,12 @@ def run_many(spec_path: str) -> None:
         sys.argv = [sys.argv[0]] + (with_cpu_defaults(argv) if cpu_mode_active() else argv)
         _RECORDED.clear()
         with open(out / f"{name}.rank{rank}.log", "w") as log, contextlib.redirect_stdout(log):
-            main()
+            try:
+                main()
+            except BaseException:  # the failing run's logs then say why, rank by rank
+                print(f"mlm_gpt: run {name!r} failed on rank {rank}:\n{traceback.format_exc()}",
+                      flush=True)
+                raise
             from megatron.core import mpu
             from megatron.training import get_args
 
