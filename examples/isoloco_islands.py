@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""IsoLoCo vs DiLoCo vs data-parallel AdamW at equal tokens, 4 CPU ranks (SPEC section 5).
+"""IsoLoCo vs DiLoCo vs data-parallel AdamW at equal tokens, 4 CPU ranks.
 
     python examples/isoloco_islands.py                    # default: ~3-4 min on 2-4 CPU cores
     python examples/isoloco_islands.py --train-iters 600 --diloco-inner-steps 30

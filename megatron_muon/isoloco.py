@@ -1,4 +1,6 @@
-"""IsoLoCo: Iso-C merging as DiLoCo's outer step (SPEC section 5), single-process reference.
+"""IsoLoCo: Iso-C merging as DiLoCo's outer step, single-process reference.
+
+Overview: docs/design.md#isoloco-and-islands.
 
 DiLoCo: K islands each train H inner steps alone from the global parameters theta, then
 synchronise. Island k's pseudo-gradient is ``D_k = theta_global - theta_k`` and the outer
@@ -20,7 +22,7 @@ Iso-C (``iso_c``), for a 2-D ``D = U S V^T`` with s = min(m, n) singular values:
     iso_c(D) = mean(S) * U_r V_r^T,     mean(S) = sum(S) / s = ||D||_* / s
 
 Definition for rank-deficient inputs: the mean is over all s = min(m, n) singular values
-(zeros included, as SPEC section 5 says), and ``U_r V_r^T`` is the partial isometry on the
+(zeros included, so mean(S) = ||D||_* / s), and ``U_r V_r^T`` is the partial isometry on the
 numerical range of D: singular directions whose singular value is at or below
 ``rank_rtol * sigma_max`` (default ``rank_rtol = max(m, n) * eps`` of the compute dtype, as
 ``torch.linalg.matrix_rank``) are dropped, because their singular vectors are arbitrary.

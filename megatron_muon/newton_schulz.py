@@ -1,7 +1,8 @@
 """Newton-Schulz orthogonalization: the maths every Muon path in this package shares.
 
-SPEC section 1.  ``newton_schulz`` is the reference implementation (plain torch, batched
-via ``bmm``); faster backends in ``megatron_muon.kernels`` are tested against it.
+The iteration, the coefficient sets and the scale modes are described in
+docs/design.md#muon.  ``newton_schulz`` is the reference implementation (plain torch,
+batched via ``bmm``); faster backends in ``megatron_muon.kernels`` are tested against it.
 """
 
 from __future__ import annotations

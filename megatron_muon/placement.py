@@ -1,4 +1,6 @@
-"""MatrixFSDP placement (SPEC section 3): every Muon unit whole on one data-parallel rank.
+"""MatrixFSDP placement: every Muon unit whole on one data-parallel rank.
+
+See docs/design.md#matrix-placement-and-zero-3.
 
 Framework-free planner.  A *bucket* of a flat buffer is cut into ``world`` equal shards
 (Megatron's reduce-scatter / all-gather geometry); the planner decides which rank's shard

@@ -1,4 +1,4 @@
-"""Owner planning: which rank orthogonalises which unit (SPEC section 2, step 1).
+"""Owner planning: which rank orthogonalises which unit (docs/design.md#owner-plan).
 
 Pure and deterministic: the same inputs give the same plan on every rank, which the
 adapter checks by exchanging ``OwnerPlan.digest``.  Knows nothing of Megatron or

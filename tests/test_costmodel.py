@@ -121,7 +121,7 @@ def test_collective_times_by_hand():
 
 
 @pytest.mark.timeout(60)
-def test_units_follow_megatron_and_the_spec():
+def test_units_follow_megatron_and_the_design():
     gqa = cm.ModelConfig(name="gqa", num_layers=2, hidden_size=256, ffn_hidden_size=512,
                          num_attention_heads=8, num_query_groups=2, vocab_size=64, swiglu=True,
                          num_experts=4, moe_ffn_hidden_size=128, first_dense_layers=1)

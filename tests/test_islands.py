@@ -1,4 +1,4 @@
-"""DiLoCo / IsoLoCo islands over Megatron (SPEC section 5, distributed part).
+"""DiLoCo / IsoLoCo islands over Megatron (docs/design.md#isoloco-and-islands, distributed part).
 
 Two launches of 4 gloo ranks: ``islands_suite`` runs every layout below one after the other
 (K = 1 with TP2 x DP2 against a plain Megatron run; 4 islands x 1 rank with DiLoCo, IsoLoCo

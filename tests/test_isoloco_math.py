@@ -1,4 +1,4 @@
-"""IsoLoCo maths (SPEC section 5): Iso-C (SVD and NS fast mode) and the outer optimizer."""
+"""IsoLoCo maths (docs/design.md#isoloco-and-islands): Iso-C (SVD and NS fast mode) and the outer optimizer."""
 
 import copy
 import io
@@ -30,7 +30,7 @@ SHAPES = [(40, 40), (56, 24), (24, 56)]
 
 
 def _iso_formula(U, s, V):
-    """mean(s) * U_r V_r^T, the SPEC formula, from known float64 factors."""
+    """mean(s) * U_r V_r^T, the documented formula, from known float64 factors."""
     keep = s > 0
     return s.sum() / s.numel() * (U[:, keep] @ V[:, keep].mT)
 

@@ -1,4 +1,4 @@
-"""LoRA for Megatron's parallel linear layers (SPEC §4): TP layouts, merge, checkpoints, errors.
+"""LoRA for Megatron's parallel linear layers (docs/design.md#smuon-and-lora): TP layouts, merge, checkpoints, errors.
 
 Three launches: a TP2 x DP2 run (gloo, 4 ranks) that trains adapters with sMuon (distributed and
 replicated direction work, with and without sequence parallelism), AdamW and per-factor Muon

@@ -1,4 +1,4 @@
-"""Reference Muon (SPEC §1) against torch.optim.Muon, the SVD and hand-made unit splits."""
+"""Reference Muon (docs/design.md#muon) against torch.optim.Muon, the SVD and hand-made unit splits."""
 
 import math
 
@@ -42,7 +42,7 @@ def test_cubic_converges_to_polar_factor():
 
 
 def test_update_rule_by_hand():
-    """One step of SPEC §1 written out with explicit SVD-free maths."""
+    """One step of the Muon update rule written out with explicit SVD-free maths."""
     torch.manual_seed(2)
     w = torch.nn.Parameter(torch.randn(8, 12))
     w0 = w.detach().clone()

@@ -1,4 +1,4 @@
-"""sMuon (SPEC section 4): factored LoRA direction vs a dense oracle, and the SMuon optimizer."""
+"""sMuon (docs/design.md#smuon-and-lora): factored LoRA direction vs a dense oracle, and the SMuon optimizer."""
 
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ def test_newton_schulz_mode(m, n, r, coefficients, steps):
 @pytest.mark.parametrize("m,n,r", [(6, 5, 1), (7, 4, 2), (4, 9, 2)])
 def test_least_squares(m, n, r):
     """(dB, dA) minimise ||gamma (dB A + B dA) - O||_F for O = msign(D): normal equations hold,
-    the residual equals the Kronecker-system lstsq residual, and the SPEC's gauge is used."""
+    the residual equals the Kronecker-system lstsq residual, and the documented gauge is used."""
     gamma = 0.7
     A, B, G, gA, gB = lora_problem(m, n, r, gamma, seed=5)
     PU, PV = projectors(A, B)
@@ -183,7 +183,7 @@ def test_least_squares(m, n, r):
     sol = torch.linalg.lstsq(M, target.unsqueeze(1), driver="gelsd").solution.squeeze(1)
     best = (M @ sol - target).norm().item()
     assert abs(res.norm().item() - best) < 1e-9 * scale
-    # SPEC formulas: dB = O A^T (AA^T)^-1 / gamma, dA = (B^TB)^-1 B^T O (I - P_V) / gamma
+    # the documented formulas: dB = O A^T (AA^T)^-1 / gamma, dA = (B^TB)^-1 B^T O (I - P_V) / gamma
     assert rel(dB, O @ A.mT @ torch.linalg.inv(A @ A.mT) / gamma) < 1e-8
     assert rel(dA, torch.linalg.inv(B.mT @ B) @ B.mT @ O @ (torch.eye(n, dtype=F64) - PV)
                / gamma) < 1e-8

@@ -58,7 +58,7 @@ def _mcore_muon_config(base: dict, tp_mode: str):
 
 def _fp32_layer_wise_workaround(optim, config):
     """megatron-core 0.19.2 wraps the layer-wise optimizer's torch optimizers only for bf16;
-    in fp32 they stay raw and ``step()`` fails (ENVIRONMENT.md). Wrap them in FP32Optimizer."""
+    in fp32 they stay raw and ``step()`` fails. Wrap them in FP32Optimizer."""
     from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
 
     stack = [optim]

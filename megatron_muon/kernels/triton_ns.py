@@ -1,4 +1,4 @@
-"""Triton kernels for batched Newton-Schulz (SPEC section 1).
+"""Triton kernels for batched Newton-Schulz (docs/design.md#kernels).
 
 One NS step on a batch of wide matrices X [b, s, N] (s <= N) is
 

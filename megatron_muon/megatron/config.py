@@ -74,7 +74,7 @@ class DMuonOptimizerConfig(OptimizerConfig):
     rank's shard of a unit separately, as Megatron's muon_tp_mode='blockwise'. NOT
     TP-invariant (the update changes with the TP size); explicit opt-in, no TP exchange."""
 
-    # --- DMuon overlap (SPEC section 2, "Overlap"); exact: a bitwise check decides ---
+    # --- DMuon overlap (docs/design.md#overlap); exact: a bitwise check decides ---
     dmuon_overlap: bool = True
     """Run the owner work (gather, NS, scatter launch) speculatively at the end of each
     stage's backward pass (inside the pipeline cool-down) instead of in optimizer.step();

@@ -1,6 +1,6 @@
 """Run real Megatron-Core on CPU with gloo when CUDA is absent (test and demo infrastructure).
 
-Megatron-Core assumes CUDA in a handful of places (ENVIRONMENT.md): ``device="cuda"``
+Megatron-Core assumes CUDA in a handful of places (docs/design.md#cpu-mode): ``device="cuda"``
 literals and ``.cuda()`` calls, ``torch.cuda.current_device()`` as a device, string checks
 such as ``param.type() == 'torch.cuda.FloatTensor'``, streams and ``synchronize``.
 ``enable_cpu_mode()`` maps all of these onto the CPU:

@@ -1,4 +1,7 @@
-"""Which Megatron parameters Muon takes, and how each splits into units (SPEC section 1)."""
+"""Which Megatron parameters Muon takes, and how each splits into units.
+
+See docs/design.md#which-parameters and docs/design.md#units.
+"""
 
 from __future__ import annotations
 
