@@ -32,7 +32,6 @@ SECONDARY_LANE = {
     ("test_dmuon.py", "test_checkpoint_reshards_to_another_dp_and_tp"),
     ("test_dmuon.py", "test_matrix_placement_equals_reference_with_no_dp_collective[tp2dp2]"),
     ("test_dmuon.py", "test_zero3_equals_reference_and_stores_each_parameter_once[dp4]"),
-    ("test_dmuon.py", "test_zero3_checkpoint_resumes_bitwise_and_reshards"),
     ("test_overlap.py", "test_overlapped_dmuon_equals_plain_dmuon[pp2dp2]"),
     ("test_checkpoint_chain.py", "test_chain_that_changes_layout_between_segments"),
     ("test_faults.py", "test_nan_loss_stops_the_run_with_one_line"),
