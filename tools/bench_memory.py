@@ -1,0 +1,220 @@
+"""Peak memory per rank: AdamW vs Megatron-Core's Muon vs dmuon (default, matrix, ZeRO-3).
+
+One command; every variant runs in its own launch (its own processes), so peaks never mix:
+
+    python tools/bench_memory.py --nproc 4 --tp 1      # DP4, GPT of ~353M parameters
+    python tools/bench_memory.py --nproc 4 --tp 2      # TP2 x DP2
+
+Per rank it measures, in phases: ``build`` (model + DDP buffers + optimizer), ``steady``
+(``--steps`` training steps after the first) and ``save`` (one ``save_checkpoint``).  On CPU
+a phase's peak is Linux's high-water mark of the process's resident set (``VmHWM``), reset
+at the start of the phase (``/proc/self/clear_refs``); on CUDA it is
+``torch.cuda.max_memory_allocated`` (reset likewise).  ``above imports`` subtracts the
+resident set after importing torch and Megatron (the same for every variant), and
+``B/param`` is that divided by the parameters of the rank's model replica (the model over
+TP).  The table prints the max over ranks and each variant's ratio to AdamW.  Megatron-Core's
+own Muon (``optimizer='muon'``, layer-wise distributed) runs where the installed
+megatron-core has it and ``emerging_optimizers`` imports; otherwise the row says why.
+
+Activations are kept small (sequence 64, micro-batch 1) so that the optimizer's memory is
+what differs; fp32 parameters and gradients, as Megatron's fp32 runs.  CPU numbers are from
+one run, side by side; each variant in its own job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+# Megatron-Core's Muon row: bench_optimizer aliases typing.override (emerging_optimizers
+# needs Python 3.12's) at import, before Megatron is imported, and wraps fp32 optimizers.
+from tools.bench_optimizer import _fp32_layer_wise_workaround  # noqa: E402
+
+VARIANTS = ("adam", "mcore_muon", "dmuon", "dmuon_matrix", "dmuon_zero3")
+
+
+# -- per-process memory ---------------------------------------------------------------------
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        with open("/proc/self/clear_refs", "w") as fh:  # "5": reset the peak RSS (VmHWM)
+            fh.write("5")
+
+
+def peak_bytes() -> int:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return 1024 * _status_kib("VmHWM")
+
+
+def current_bytes() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.memory_allocated()
+    return 1024 * _status_kib("VmRSS")
+
+
+# -- one variant, on every rank ---------------------------------------------------------------
+def worker(cfg: dict, tp: int, variant: str, steps: int, save_dir: str) -> dict:
+    import torch.distributed as dist
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_muon.megatron.checkpoint import save_checkpoint
+    from megatron_muon.megatron.factory import get_megatron_optimizer
+    from megatron_muon.testing.gpt import TinyGPTConfig, build_gpt, init_parallel, layout_ranks, \
+        train_step
+    from megatron_muon.testing.workers import make_optimizer_config
+
+    base = current_bytes()  # torch, Megatron and the package imported; nothing built yet
+    gcfg = TinyGPTConfig(**cfg)
+    init_parallel(tp=tp, pp=1, seed=gcfg.seed)
+    reset_peak()
+    if variant == "mcore_muon":
+        from megatron.core.optimizer import OptimizerConfig
+        from megatron.core.optimizer import get_megatron_optimizer as mcore_get
+
+        ocfg = OptimizerConfig(optimizer="muon", use_layer_wise_distributed_optimizer=True,
+                               use_distributed_optimizer=False, muon_tp_mode="duplicated",
+                               muon_momentum=0.95, lr=1e-3, weight_decay=0.01, bf16=False)
+        model = build_gpt(gcfg, ddp_config=DistributedDataParallelConfig(
+            use_distributed_optimizer=False))
+        optim = _fp32_layer_wise_workaround(mcore_get(ocfg, model), ocfg)
+    else:
+        zero3 = variant == "dmuon_zero3"
+        matrix = zero3 or variant == "dmuon_matrix"
+        ocfg = make_optimizer_config("adam" if variant == "adam" else "dmuon", lr=1e-3,
+                                     dmuon_log_plan=False, dmuon_overlap=False,
+                                     dmuon_placement="matrix" if matrix else "dmuon",
+                                     dmuon_zero3=zero3)
+        placement = None
+        if matrix:
+            from megatron_muon.megatron.matrix_placement import matrix_placement_for
+
+            placement = matrix_placement_for(ocfg, log=False)
+        ddp = dict(overlap_grad_reduce=True, bucket_size=20_000_000) if zero3 else {}
+        model = build_gpt(gcfg, ddp_config=DistributedDataParallelConfig(
+            use_distributed_optimizer=True, grad_reduce_in_fp32=True, **ddp),
+            placement=placement)
+        optim = get_megatron_optimizer(ocfg, model)
+    rank_params = sum(p.numel() for chunk in model for p in chunk.parameters())
+    ranks = layout_ranks()
+    out = {"build": peak_bytes(), "base": base}
+    train_step(model, optim, gcfg, 0, ranks["dp"], ranks["dp_size"])  # allocates the state
+    reset_peak()
+    t0 = time.perf_counter()
+    for step in range(1, 1 + steps):
+        train_step(model, optim, gcfg, step, ranks["dp"], ranks["dp_size"])
+    dist.barrier()
+    out["steady"] = peak_bytes()
+    out["step_s"] = (time.perf_counter() - t0) / steps
+    if variant == "mcore_muon":
+        out["save"] = None  # saved through Megatron-LM's own checkpointing, not this path
+    else:
+        reset_peak()
+        save_checkpoint(save_dir, model, optim, 1 + steps)
+        dist.barrier()
+        out["save"] = peak_bytes()
+    # ZeRO-3 shards the parameters: count the replica's parameters, not the rank's views
+    out["replica_params"] = rank_params
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--num-layers", type=int, default=24)
+    p.add_argument("--hidden-size", type=int, default=1024)
+    p.add_argument("--ffn-hidden-size", type=int, default=4096)
+    p.add_argument("--num-attention-heads", type=int, default=16)
+    p.add_argument("--vocab-size", type=int, default=50304)
+    p.add_argument("--seq-length", type=int, default=64)
+    p.add_argument("--steps", type=int, default=2, help="steady-state steps after the first")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--timeout", type=float, default=1800, help="per variant, seconds")
+    p.add_argument("--json", default=None, help="also write the results here")
+    a = p.parse_args(argv)
+    variants = [v for v in a.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {','.join(VARIANTS)}")
+    if a.nproc % a.tp:
+        p.error(f"--tp {a.tp} does not divide --nproc {a.nproc}")
+
+    from megatron_muon.testing.launch import RankFailure, run_ranks
+
+    cfg = dict(num_layers=a.num_layers, hidden_size=a.hidden_size,
+               ffn_hidden_size=a.ffn_hidden_size, num_attention_heads=a.num_attention_heads,
+               num_query_groups=None, vocab_size=a.vocab_size, seq_length=a.seq_length,
+               micro_batch_size=1, num_microbatches=1)
+    results, t0 = {}, time.time()
+    for v in variants:
+        print(f"[bench_memory] {v}: launching {a.nproc} ranks ...", flush=True)
+        with tempfile.TemporaryDirectory(prefix=f"bench_memory_{v}_") as tmp:
+            try:
+                results[v] = run_ranks(
+                    "tools.bench_memory:worker", a.nproc,
+                    dict(cfg=cfg, tp=a.tp, variant=v, steps=a.steps, save_dir=tmp),
+                    timeout=a.timeout, env={"PYTHONPATH": os.getcwd()})
+            except RankFailure as e:  # reported in the table, not hidden
+                results[v] = str(e).splitlines()[0][:160]
+        print(f"[bench_memory] {v}: done after {time.time() - t0:.0f}s", flush=True)
+
+    dp = a.nproc // a.tp
+    mib = 2.0 ** 20
+    print(f"\n# peak memory per rank (max over ranks): {a.nproc} ranks (TP{a.tp} x DP{dp}), GPT "
+          f"{a.num_layers} x {a.hidden_size} (ffn {a.ffn_hidden_size}, vocab {a.vocab_size}), "
+          f"seq {a.seq_length}, micro-batch 1, fp32; each variant in its own job; "
+          f"{'CUDA max allocated' if torch.cuda.is_available() else 'CPU peak RSS (VmHWM)'}")
+    print(f"# command: python tools/bench_memory.py {' '.join(argv or sys.argv[1:])}")
+    print(f"{'variant':14s} {'build MiB':>10s} {'steady MiB':>11s} {'vs AdamW':>9s} "
+          f"{'above imports':>14s} {'B/param':>8s} {'save MiB':>9s} {'save/steady':>12s}")
+
+    def worst(rows, key):
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return max(vals) if vals else None
+
+    adam = results.get("adam")
+    adam_steady = worst(adam, "steady") if isinstance(adam, list) else None
+    for v in variants:
+        rows = results[v]
+        if not isinstance(rows, list):
+            print(f"{v:14s} unavailable: {rows}")
+            continue
+        steady, save, base = worst(rows, "steady"), worst(rows, "save"), worst(rows, "base")
+        params = rows[0]["replica_params"]
+        rel = f"{steady / adam_steady:8.3f}x" if adam_steady else "        -"
+        above = steady - base
+        per_param = above / params if params else float("nan")
+        save_s = f"{save / mib:9.0f}" if save else "        -"
+        ratio = f"{save / steady:11.3f}x" if save else "          -"
+        print(f"{v:14s} {worst(rows, 'build') / mib:10.0f} {steady / mib:11.0f} {rel:>9s} "
+              f"{above / mib:14.0f} {per_param:8.2f} {save_s} {ratio}")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
