@@ -124,6 +124,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core.utils import unwrap_model
 
 from ..comm import CommStats, all_to_all_flat
 from ..isoloco import OUTER_DEFAULTS, OuterOptimizer
@@ -439,19 +440,13 @@ class _Entry:
     slot: int = 0  # DP rank of the island that handles it in the outer step
 
 
-def _unwrap(module):
-    while hasattr(module, "module"):
-        module = module.module
-    return module
-
-
 def island_param_names(model: list) -> list[tuple[str, torch.Tensor]]:
     """(global name, parameter) of this rank's model chunks, names with global layer numbers."""
-    from ..testing.gpt import global_param_name
+    from .models import global_param_name
 
     out = []
     for chunk in model:
-        for name, p in _unwrap(chunk).named_parameters():
+        for name, p in unwrap_model(chunk).named_parameters():
             out.append((global_param_name(chunk, name), p))
     return out
 
@@ -914,7 +909,7 @@ def save_island_checkpoint(directory: str, model: list, optimizer, outer: Island
     L = outer.layout
     path = _island_dir(directory, L)
     os.makedirs(path, exist_ok=True)
-    state = {"model": [_unwrap(m).state_dict() for m in model], "outer": outer.state_dict(),
+    state = {"model": [unwrap_model(m).state_dict() for m in model], "outer": outer.state_dict(),
              "extra": extra or {}}
     if optimizer is not None:
         state["optimizer"] = _inner_optimizer_state(optimizer)
@@ -934,7 +929,7 @@ def load_island_checkpoint(directory: str, model: list, optimizer,
     state = torch.load(path, weights_only=False)
     with torch.no_grad():
         for m, sd in zip(model, state["model"]):
-            _unwrap(m).load_state_dict(sd)
+            unwrap_model(m).load_state_dict(sd)
     if optimizer is not None:
         _load_inner_optimizer_state(optimizer, state["optimizer"])
     outer.load_state_dict(state["outer"])
