@@ -18,7 +18,7 @@ so the locality-aware plan sees what each DP shard holds).  Megatron-Core's laye
 Muon uses Megatron-Core's own placement, re-implemented from its source: 0.16 deals params
 sorted by size ping-pong over DP; 0.19 packs them into a shard-aligned buffer.
 
-Modes (SPEC sections 2 and 3):
+Modes (see docs/design.md):
 
 - ``adamw``: Megatron's distributed optimizer (ZeRO-1).
 - ``muon_naive``: ZeRO-1; every rank of the stage's DP x TP group gathers every matrix and
@@ -40,6 +40,8 @@ Modes (SPEC sections 2 and 3):
   every rank.
 
 Pure Python (plus the planner's imports); knows nothing of Megatron or torch.distributed.
+A tool, not part of the ``megatron_muon`` package (the training runtime never needs it):
+``tools/cost_model.py`` is its command line, ``tests/test_costmodel.py`` its tests.
 Every number below that is not measured is an assumption, named where it is used.
 """
 
@@ -51,9 +53,9 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Optional, Sequence
 
-from .newton_schulz import ns_flops
-from .plan import OwnerPlan, UnitTask, plan_owners
-from .units import gate_up_units, qkv_units
+from megatron_muon.newton_schulz import ns_flops
+from megatron_muon.plan import OwnerPlan, UnitTask, plan_owners
+from megatron_muon.units import gate_up_units, qkv_units
 
 __all__ = [
     "ModelConfig", "Layout", "RunConfig", "Hardware", "Prediction", "HARDWARE", "MODELS",
@@ -352,7 +354,7 @@ def stage_tensors(model: ModelConfig, layout: Layout, run: RunConfig = RunConfig
                   ) -> list[StageTensor]:
     """Parameters of pipeline stage 0 in Megatron's ``named_parameters`` order.
 
-    One EP rank's experts (E / EP per MoE layer).  Units follow SPEC section 1: QKV split
+    One EP rank's experts (E / EP per MoE layer).  Units follow docs/design.md: QKV split
     into Q, K, V (``qkv_units``), SwiGLU fc1 optionally into gate/up, one unit per expert.
     """
     h, tp = model.hidden_size, layout.tp
@@ -1191,7 +1193,7 @@ def predict(model: ModelConfig, layout: Layout, hw: Hardware, mode: str,
       exposed = max(W / buckets, W - window).  overlap_efficiency (0.5) is the share of the
       backward in which NS GEMMs and all-to-alls run without slowing the backward kernels
       they share the GPU and the network with: an assumption, not a measurement.  NS run
-      early is speculative under gradient clipping (SPEC section 2), not counted here.
+      early is speculative under gradient clipping (docs/design.md), not counted here.
     """
     if mode not in _MODE_COSTS:
         raise ValueError(f"unknown mode {mode!r}; choose one of {MODES + EXTRA_MODES}")
