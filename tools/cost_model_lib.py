@@ -226,25 +226,22 @@ class Hardware:
                 return r0 + w * (r1 - r0)
         return pts[-1][1]
 
-    def adam_time(self, elems: float) -> float:
-        per = self.adam_s_per_elem if self.adam_s_per_elem is not None else \
-            ADAM_BYTES_PER_ELEM / self.elem_bw
+    def _elem_time(self, elems: float, measured: Optional[float], bytes_per_elem: float) -> float:
+        """``elems`` times the calibrated seconds per element, else bytes over ``elem_bw``."""
+        per = measured if measured is not None else bytes_per_elem / self.elem_bw
         return elems * per
+
+    def adam_time(self, elems: float) -> float:
+        return self._elem_time(elems, self.adam_s_per_elem, ADAM_BYTES_PER_ELEM)
 
     def muon_elem_time(self, elems: float) -> float:
-        per = self.muon_s_per_elem if self.muon_s_per_elem is not None else \
-            MUON_BYTES_PER_ELEM / self.elem_bw
-        return elems * per
+        return self._elem_time(elems, self.muon_s_per_elem, MUON_BYTES_PER_ELEM)
 
     def owned_time(self, elems: float) -> float:
-        per = self.owned_s_per_elem if self.owned_s_per_elem is not None else \
-            OWNED_BYTES_PER_ELEM / self.elem_bw
-        return elems * per
+        return self._elem_time(elems, self.owned_s_per_elem, OWNED_BYTES_PER_ELEM)
 
     def copy_time(self, elems: float) -> float:
-        per = self.copy_s_per_elem if self.copy_s_per_elem is not None else \
-            COPY_BYTES_PER_ELEM / self.elem_bw
-        return elems * per
+        return self._elem_time(elems, self.copy_s_per_elem, COPY_BYTES_PER_ELEM)
 
 
 # Public spec numbers (dense, no sparsity).  Bandwidths are per GPU and per direction.
@@ -754,13 +751,18 @@ class _Stage:
         self.nbuckets = max(1, math.ceil(self.local_total / bucket)) if bucket else 1
         self._cache: dict = {}
 
+    def part(self, expert: bool) -> tuple[list, int, Group, int]:
+        """``(tensors, DP size, DP group, TP size)`` of the dense part or of the local experts."""
+        lay = self.layout
+        if expert:
+            return self.experts, lay.edp, self.g_edp, lay.etp
+        return self.dense, lay.dp, self.g_dp, lay.tp
+
     # ZeRO-1 layouts and owner plans ------------------------------------------------------
     def zero1(self, expert: bool) -> Zero1Layout:
         key = ("z1", expert)
         if key not in self._cache:
-            ts = self.experts if expert else self.dense
-            n = self.layout.edp if expert else self.layout.dp
-            tp = self.layout.etp if expert else self.layout.tp
+            ts, n, _, tp = self.part(expert)
             self._cache[key] = zero1_holdings(ts, n, tp, self.run, self.bucket)
         return self._cache[key]
 
@@ -996,10 +998,7 @@ def _cost_mcore(st, hw, run, mode) -> _Costs:
     ns = elem = tp_comm = pg = 0.0
     ws_units: list = []
     for expert in st.kinds:
-        ts = st.experts if expert else st.dense
-        n = lay.edp if expert else lay.dp
-        group = st.g_edp if expert else st.g_dp
-        ttp = lay.etp if expert else lay.tp
+        ts, n, group, ttp = st.part(expert)
         total = sum(t.local_numel for t in ts)
         muon_ts = [t for t in ts if t.muon]
         adam_total = total - sum(t.local_numel for t in muon_ts)
@@ -1072,10 +1071,7 @@ def _cost_matrix(st, hw, run, mode) -> _Costs:
     owned_total = 0.0
     ws_units: list = []
     for expert in st.kinds:
-        ts = st.experts if expert else st.dense
-        n = lay.edp if expert else lay.dp
-        group = st.g_edp if expert else st.g_dp
-        ttp = lay.etp if expert else lay.tp
+        ts, n, group, ttp = st.part(expert)
         total = sum(t.local_numel for t in ts)
         muon_total = sum(t.local_numel for t in ts if t.muon)
         if mode == "fsdp2_reconstruct":
