@@ -18,7 +18,7 @@ from .newton_schulz import muon_scale, newton_schulz, resolve_coefficients, SCAL
 from .units import Unit, extract_unit, insert_unit, whole_units
 
 __all__ = ["Muon", "muon_update_direction", "check_muon_hyperparameters", "momentum_update",
-           "decoupled_update", "check_finite_gradient"]
+           "momentum_step", "decoupled_update", "check_finite_gradient", "evaluate_closure"]
 
 
 def momentum_update(buf: torch.Tensor, grad: torch.Tensor, momentum: float,
@@ -26,6 +26,22 @@ def momentum_update(buf: torch.Tensor, grad: torch.Tensor, momentum: float,
     """M <- mu M + G in place; returns U = G + mu M (Nesterov) or M.  Shared by every Muon."""
     buf.mul_(momentum).add_(grad)
     return grad.add(buf, alpha=momentum) if nesterov else buf
+
+
+def momentum_step(state: dict, grad: torch.Tensor, momentum: float,
+                  nesterov: bool) -> torch.Tensor:
+    """``momentum_update`` on ``state["momentum_buffer"]`` (zeros like ``grad`` at first)."""
+    if "momentum_buffer" not in state:
+        state["momentum_buffer"] = torch.zeros_like(grad)
+    return momentum_update(state["momentum_buffer"], grad, momentum, nesterov)
+
+
+def evaluate_closure(closure: Optional[Callable]):
+    """What ``optimizer.step(closure)`` returns: the closure's loss (gradients on), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def decoupled_update(p: torch.Tensor, direction: torch.Tensor, step: float,
@@ -123,21 +139,14 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
-            mu = group["momentum"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 g = p.grad.float()
                 check_finite_gradient(g, "Muon", "parameter")
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(g)
-                update = momentum_update(state["momentum_buffer"], g, mu, group["nesterov"])
+                update = momentum_step(self.state[p], g, group["momentum"], group["nesterov"])
                 direction = muon_update_direction(
                     update, self._units[p], ns_steps=group["ns_steps"],
                     coefficient_type=group["coefficient_type"], scale_mode=group["scale_mode"],

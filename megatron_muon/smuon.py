@@ -65,7 +65,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from .muon import (check_finite_gradient, check_muon_hyperparameters, decoupled_update,
-                   momentum_update)
+                   evaluate_closure, momentum_step)
 from .newton_schulz import Coefficients, muon_scale, newton_schulz, resolve_coefficients
 
 __all__ = ["smuon_direction", "SMuon"]
@@ -367,11 +367,7 @@ class SMuon(torch.optim.Optimizer):
             g = torch.zeros_like(p, dtype=cdt) if p.grad is None else p.grad.to(cdt)
             if check_finite:
                 check_finite_gradient(g, "SMuon", "LoRA factor")
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(g)
-            updates.append(momentum_update(state["momentum_buffer"], g, group["momentum"],
-                                           group["nesterov"]))
+            updates.append(momentum_step(self.state[p], g, group["momentum"], group["nesterov"]))
         return updates
 
     @staticmethod
@@ -395,10 +391,7 @@ class SMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
             for A, B in self._pairs(group):
                 if A.grad is None and B.grad is None:
