@@ -124,7 +124,6 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from megatron.core.utils import unwrap_model
 
 from ..comm import CommStats, all_to_all_flat
 from ..isoloco import OUTER_DEFAULTS, OuterOptimizer
@@ -442,6 +441,8 @@ class _Entry:
 
 def island_param_names(model: list) -> list[tuple[str, torch.Tensor]]:
     """(global name, parameter) of this rank's model chunks, names with global layer numbers."""
+    from megatron.core.utils import unwrap_model
+
     from .models import global_param_name
 
     out = []
@@ -906,6 +907,8 @@ def save_island_checkpoint(directory: str, model: list, optimizer, outer: Island
     with ``load_island_checkpoint`` on the same layout; the learning-rate scheduler is the
     caller's (put its ``state_dict`` in ``extra``).
     """
+    from megatron.core.utils import unwrap_model
+
     L = outer.layout
     path = _island_dir(directory, L)
     os.makedirs(path, exist_ok=True)
@@ -922,6 +925,8 @@ def save_island_checkpoint(directory: str, model: list, optimizer, outer: Island
 def load_island_checkpoint(directory: str, model: list, optimizer,
                            outer: IslandOuterStep) -> dict:
     """Inverse of ``save_island_checkpoint`` (same layout); returns the ``extra`` dict."""
+    from megatron.core.utils import unwrap_model
+
     L = outer.layout
     path = os.path.join(_island_dir(directory, L), f"rank{L.local_rank:04d}.pt")
     if not os.path.isfile(path):
