@@ -426,7 +426,7 @@ def finetune(args, name: str, arch: dict, ckpt: str, train_set, eval_set, say) -
 
     from megatron_muon.megatron.lora import LoRAConfig, apply_lora, save_lora
     from megatron_muon.megatron.lora_optimizer import LoRAOptimizer
-    from megatron_muon.testing.gpt import wire_ddp_hooks
+    from megatron_muon.megatron.models import wire_ddp_hooks
 
     gpt = build_base_model(args, arch)
     load_base(gpt, ckpt)
@@ -490,7 +490,7 @@ def train(args) -> None:
     import torch.distributed as dist
 
     from megatron_muon.megatron.cpu_mode import default_backend, enable_cpu_mode
-    from megatron_muon.testing.gpt import init_parallel
+    from megatron_muon.megatron.models import init_parallel
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     check_args(args, world)
@@ -585,7 +585,7 @@ def report(args, records: list[dict], desc: str, ckpt: str) -> None:
 
 # =========================================================================== launching
 def launch_local(args, argv: list[str]) -> int:
-    from megatron_muon.testing.launch import start_ranks, supervise
+    from megatron_muon.launch import start_ranks, supervise
 
     nproc = args.nproc or args.tensor_model_parallel_size
     check_args(args, nproc)

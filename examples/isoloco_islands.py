@@ -333,7 +333,7 @@ def report(args, results: list, world: int) -> None:
 # ============================================================================ launching
 def launch_local(args, argv) -> int:
     """Start --nproc ranks of this script (rank 0 prints to the terminal); never hangs."""
-    from megatron_muon.testing.launch import start_ranks, supervise
+    from megatron_muon.launch import start_ranks, supervise
 
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     logs = [None] + [Path(args.out_dir) / f"isoloco_islands.rank{r}.log"

@@ -440,7 +440,7 @@ def build_model(args) -> list:
     from megatron.core.transformer.module import Float16Module
 
     from megatron_muon.megatron.cpu_mode import cpu_transformer_config
-    from megatron_muon.testing.gpt import wire_ddp_hooks
+    from megatron_muon.megatron.models import wire_ddp_hooks
 
     on_gpu = torch.cuda.is_available()
     dtype = torch.bfloat16 if args.bf16 else torch.float32
@@ -676,7 +676,7 @@ def train(args) -> None:
     from megatron.core import parallel_state as ps
 
     from megatron_muon.megatron.cpu_mode import default_backend, enable_cpu_mode
-    from megatron_muon.testing.gpt import init_parallel
+    from megatron_muon.megatron.models import init_parallel
 
     t_start = time.perf_counter()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -859,7 +859,7 @@ def print_summary(args, s: dict) -> None:
 # =========================================================================== launching
 def launch_local(args, argv: list[str]) -> int:
     """No torchrun environment: start ``--nproc`` ranks of this script (a tiny torchrun)."""
-    from megatron_muon.testing.launch import start_ranks, supervise
+    from megatron_muon.launch import start_ranks, supervise
 
     nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 4)
     check_args(args, nproc)  # fail fast, before any process starts

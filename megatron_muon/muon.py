@@ -18,7 +18,7 @@ from .newton_schulz import muon_scale, newton_schulz, resolve_coefficients, SCAL
 from .units import Unit, extract_unit, insert_unit, whole_units
 
 __all__ = ["Muon", "muon_update_direction", "check_muon_hyperparameters", "momentum_update",
-           "check_finite_gradient"]
+           "momentum_step", "decoupled_update", "check_finite_gradient", "evaluate_closure"]
 
 
 def momentum_update(buf: torch.Tensor, grad: torch.Tensor, momentum: float,
@@ -26,6 +26,38 @@ def momentum_update(buf: torch.Tensor, grad: torch.Tensor, momentum: float,
     """M <- mu M + G in place; returns U = G + mu M (Nesterov) or M.  Shared by every Muon."""
     buf.mul_(momentum).add_(grad)
     return grad.add(buf, alpha=momentum) if nesterov else buf
+
+
+def momentum_step(state: dict, grad: torch.Tensor, momentum: float,
+                  nesterov: bool) -> torch.Tensor:
+    """``momentum_update`` on ``state["momentum_buffer"]`` (zeros like ``grad`` at first)."""
+    if "momentum_buffer" not in state:
+        state["momentum_buffer"] = torch.zeros_like(grad)
+    return momentum_update(state["momentum_buffer"], grad, momentum, nesterov)
+
+
+def evaluate_closure(closure: Optional[Callable]):
+    """What ``optimizer.step(closure)`` returns: the closure's loss (gradients on), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def decoupled_update(p: torch.Tensor, direction: torch.Tensor, step: float,
+                     decay: float = 1.0) -> None:
+    """W <- W * decay - step * direction in place: decoupled weight decay, then the step.
+
+    The parameter update of every Muon here (``Muon``, ``SMuon``, the LoRA optimizer's
+    distributed sMuon, ``DMuon``), one op order for all, so that they agree bitwise:
+    ``decay`` is ``1 - lr * wd`` (sMuon: its square root, on each factor) and ``step`` is
+    ``lr``, times the Muon scale where ``direction`` does not carry it.  A ``decay`` of
+    exactly 1 skips the multiply (``x * 1.0 == x``).  ``direction`` is added as given: cast it
+    to ``p.dtype`` first where the direction is to be rounded before the add.
+    """
+    if decay != 1.0:
+        p.mul_(decay)
+    p.add_(direction, alpha=-step)
 
 
 def check_finite_gradient(grad: torch.Tensor, who: str, what: str) -> None:
@@ -107,26 +139,19 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
-            mu = group["momentum"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 g = p.grad.float()
                 check_finite_gradient(g, "Muon", "parameter")
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(g)
-                update = momentum_update(state["momentum_buffer"], g, mu, group["nesterov"])
+                update = momentum_step(self.state[p], g, group["momentum"], group["nesterov"])
                 direction = muon_update_direction(
                     update, self._units[p], ns_steps=group["ns_steps"],
                     coefficient_type=group["coefficient_type"], scale_mode=group["scale_mode"],
                     extra_scale_factor=group["extra_scale_factor"], eps=group["eps"],
                     ns_dtype=self.ns_dtype)
-                p.mul_(1.0 - group["lr"] * group["weight_decay"])
-                p.add_(direction.to(p.dtype), alpha=-group["lr"])
+                decoupled_update(p, direction.to(p.dtype), group["lr"],
+                                 1.0 - group["lr"] * group["weight_decay"])
         return loss

@@ -64,7 +64,8 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from .muon import check_finite_gradient, check_muon_hyperparameters, momentum_update
+from .muon import (check_finite_gradient, check_muon_hyperparameters, decoupled_update,
+                   evaluate_closure, momentum_step)
 from .newton_schulz import Coefficients, muon_scale, newton_schulz, resolve_coefficients
 
 __all__ = ["smuon_direction", "SMuon"]
@@ -353,40 +354,49 @@ class SMuon(torch.optim.Optimizer):
         params = group["params"]
         return list(zip(params[0::2], params[1::2]))
 
+    def pair_momenta(self, group: dict, A: torch.Tensor, B: torch.Tensor,
+                     check_finite: bool = True) -> list[torch.Tensor]:
+        """``[U_A, U_B]``: the momentum step on one pair's factor gradients (in fp32, fp64 for
+        fp64 params; a missing gradient counts as zero).  ``check_finite=False`` skips the
+        per-factor NaN/Inf check (a host sync each) where the caller has checked already."""
+        cdt = torch.float64 if torch.float64 in (A.dtype, B.dtype) else torch.float32
+        updates = []
+        for p in (A, B):
+            if p.grad is not None and p.grad.is_sparse:
+                raise ValueError("SMuon does not support sparse gradients")
+            g = torch.zeros_like(p, dtype=cdt) if p.grad is None else p.grad.to(cdt)
+            if check_finite:
+                check_finite_gradient(g, "SMuon", "LoRA factor")
+            updates.append(momentum_step(self.state[p], g, group["momentum"], group["nesterov"]))
+        return updates
+
+    @staticmethod
+    def pair_direction(group: dict, A: torch.Tensor, B: torch.Tensor, uA: torch.Tensor,
+                       uB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``smuon_direction`` of one pair with its group's settings."""
+        return smuon_direction(A, B, uA, uB, gamma=group["gamma"], damping=group["damping"],
+                               ns_steps=group["ns_steps"], coefficients=group["coefficient_type"],
+                               exact_sign=group["exact_sign"], eps=group["eps"])
+
+    @staticmethod
+    def apply_pair(group: dict, A: torch.Tensor, B: torch.Tensor, dA: torch.Tensor,
+                   dB: torch.Tensor) -> None:
+        """The decoupled step of one pair: ``X <- sqrt(1 - lr wd) X - lr scale(m, n) dX``."""
+        lr = group["lr"]
+        decay = math.sqrt(1.0 - lr * group["weight_decay"])
+        m, n = B.shape[0], A.shape[1]
+        step = lr * muon_scale(m, n, group["scale_mode"], group["extra_scale_factor"])
+        for p, d in ((A, dA), (B, dB)):
+            decoupled_update(p, d.to(p.dtype), step, decay)
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
-            mu = group["momentum"]
-            lr = group["lr"]
-            decay = math.sqrt(1.0 - lr * group["weight_decay"])
             for A, B in self._pairs(group):
                 if A.grad is None and B.grad is None:
                     continue
-                cdt = torch.float64 if torch.float64 in (A.dtype, B.dtype) else torch.float32
-                updates = []
-                for p in (A, B):
-                    if p.grad is not None and p.grad.is_sparse:
-                        raise ValueError("SMuon does not support sparse gradients")
-                    g = torch.zeros_like(p, dtype=cdt) if p.grad is None else p.grad.to(cdt)
-                    check_finite_gradient(g, "SMuon", "LoRA factor")
-                    state = self.state[p]
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = torch.zeros_like(g)
-                    updates.append(momentum_update(state["momentum_buffer"], g, mu,
-                                                   group["nesterov"]))
-                dA, dB = smuon_direction(
-                    A, B, updates[0], updates[1], gamma=group["gamma"],
-                    damping=group["damping"], ns_steps=group["ns_steps"],
-                    coefficients=group["coefficient_type"], exact_sign=group["exact_sign"],
-                    eps=group["eps"])
-                m, n = B.shape[0], A.shape[1]
-                step = lr * muon_scale(m, n, group["scale_mode"], group["extra_scale_factor"])
-                for p, d in ((A, dA), (B, dB)):
-                    if decay != 1.0:
-                        p.mul_(decay)
-                    p.add_(d.to(p.dtype), alpha=-step)
+                uA, uB = self.pair_momenta(group, A, B)
+                dA, dB = self.pair_direction(group, A, B, uA, uB)
+                self.apply_pair(group, A, B, dA, dB)
         return loss

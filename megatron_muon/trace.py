@@ -4,6 +4,12 @@ Framework-free: ``span(name)`` is a context manager that records a complete even
 timeline is active and costs one attribute check when none is.  The Megatron adapter
 (``megatron_muon.megatron.tracing``) decides what to wrap; benchmarks read the events
 back with ``events()``.
+
+The timeline reads the host clock: on CPU that is the work, on GPUs it is mostly the kernel
+launches (the kernels run later, asynchronously).  So every span is also a
+``torch.profiler.record_function`` range of the same name whenever a torch profiler (or
+``emit_nvtx``) is recording: under ``torch.profiler.profile`` the ranges group the GPU
+kernels they launched, which is the trace to read on GPUs.
 """
 
 from __future__ import annotations
@@ -12,8 +18,11 @@ import json
 import os
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Optional
+
+import torch
+from torch.profiler import record_function
 
 __all__ = ["Timeline", "active", "span", "start", "stop"]
 
@@ -76,14 +85,20 @@ def active() -> Optional[Timeline]:
     return _ACTIVE
 
 
+_NO_RANGE = nullcontext()
+
+
 @contextmanager
 def span(name: str, cat: str = "dmuon", **args):
+    """A timeline event ``name`` (when a timeline is active) and a profiler range ``name``
+    (when a torch profiler is recording) around the body."""
     tl = _ACTIVE
-    if tl is None:
-        yield
-        return
-    t = tl.now_us()
-    try:
-        yield
-    finally:
-        tl.add(name, cat, t, tl.now_us(), **args)
+    with record_function(name) if torch.autograd._profiler_enabled() else _NO_RANGE:
+        if tl is None:
+            yield
+            return
+        t = tl.now_us()
+        try:
+            yield
+        finally:
+            tl.add(name, cat, t, tl.now_us(), **args)

@@ -134,7 +134,7 @@ def model_worker(ranks, tp: int, layers: int, seq: int, micro_batch: int, steps:
         res = {}
         for mode in modes:
             kind, work = (mode.split("-") + ["distribute"])[:2]
-            opt = LoRAOptimizer(model, kind, lr=1e-4, smuon_work=work)
+            opt = LoRAOptimizer(model, kind, lr=1e-4, smuon_work=work, profile=True)
             fb, st, parts = [], [], []
             for s in range(warmup + steps):
                 opt.zero_grad()

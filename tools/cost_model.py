@@ -23,7 +23,7 @@ Published claims next to the model's predictions, and the plots:
     python tools/cost_model.py --claims
     python tools/cost_model.py --plot docs/cost_model
 
-The model, its assumptions and its limits: ``megatron_muon/costmodel.py`` and
+The model, its assumptions and its limits: ``tools/cost_model_lib.py`` and
 ``docs/cost_model.md``.
 """
 
@@ -42,8 +42,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))  # the model, also when imported as tools.cost_model
 
-from megatron_muon import costmodel as cm  # noqa: E402
+import cost_model_lib as cm  # noqa: E402
 
 # A fresh calibration goes here unless --profile says otherwise; the profiles behind the
 # documented tables live in docs/cost_model/ and are named explicitly in their commands.
@@ -211,7 +212,7 @@ def calibrate_cpu(nproc: int, out_path: Path, quick: bool = False) -> dict:
     ag = _fit_line(worst("ag"))
     ar_lat = max(r["allreduce_lat"] for r in res)
     coll = {"all_to_all": list(a2a), "all_gather": list(ag), "all_reduce": [a2a[0], ar_lat]}
-    if res[0]["ag_half"]:  # groups of nproc / 2: 'kind@size' (see costmodel.collective_time)
+    if res[0]["ag_half"]:  # groups of nproc / 2: 'kind@size' (see cost_model_lib.collective_time)
         coll[f"all_gather@{nproc // 2}"] = list(_fit_line(worst("ag_half")))
         coll[f"all_to_all@{nproc // 2}"] = list(_fit_line(worst("a2a_half")))
     prof = dict(

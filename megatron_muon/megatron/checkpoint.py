@@ -63,14 +63,10 @@ def _check_schedule(scheduler, saved: dict, path: str):
     return note
 
 
-def _unwrap(module):
-    while hasattr(module, "module"):
-        module = module.module
-    return module
-
-
 def _model_state(model: list, is_loading: bool) -> dict:
-    model = [_unwrap(m) for m in model]
+    from megatron.core.utils import unwrap_model
+
+    model = unwrap_model(list(model))
     if len(model) == 1:
         return {"model": model[0].sharded_state_dict()}
     return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(model)}
@@ -302,6 +298,7 @@ def load_checkpoint(directory: str, model: list, optimizer, scheduler=None,
     agree, so a missing or truncated file stops all of them at once, nothing loaded.
     """
     from megatron.core import dist_checkpointing
+    from megatron.core.utils import unwrap_model
 
     me = dist.get_rank()
     try:
@@ -324,10 +321,10 @@ def load_checkpoint(directory: str, model: list, optimizer, scheduler=None,
             state = dist_checkpointing.load(
                 _sharded_state(model, optimizer, scheduler, step, True), path)
             if len(model) == 1:
-                _unwrap(model[0]).load_state_dict(state["model"])
+                unwrap_model(model[0]).load_state_dict(state["model"])
             else:
                 for i, m in enumerate(model):
-                    _unwrap(m).load_state_dict(state[f"model{i}"])
+                    unwrap_model(m).load_state_dict(state[f"model{i}"])
         load_optimizer_state(optimizer, state["optimizer"])
         if scheduler is not None and "opt_param_scheduler" in state:
             scheduler.load_state_dict(state["opt_param_scheduler"])

@@ -2,7 +2,7 @@
 
     python -m megatron_muon.megatron.cpu_run [--nproc N] [--timeout S] SCRIPT.py ARGS...
 
-Without torchrun's environment it starts ``N`` local ranks (``megatron_muon.testing.launch``)
+Without torchrun's environment it starts ``N`` local ranks (``megatron_muon.launch``)
 that each run ``SCRIPT.py ARGS...``; under torchrun every process runs the script itself.
 Each rank turns on ``megatron_muon.megatron.cpu_mode`` and the shims below, and adds the
 CPU defaults (``CPU_DEFAULTS``) that ``ARGS`` does not already set.  On a machine with CUDA
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     if "RANK" in os.environ:  # torchrun (or our own launcher) started this process
         _run_script(a.script, a.args)
         return 0
-    from ..testing.launch import start_ranks, supervise
+    from ..launch import start_ranks, supervise
 
     procs = start_ranks([sys.executable, "-m", "megatron_muon.megatron.cpu_run", a.script,
                          *a.args], a.nproc)

@@ -22,7 +22,7 @@ from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 
-from ..muon import momentum_update
+from ..muon import decoupled_update, momentum_update
 from ..owner_centric import OwnerCentricNS, Piece, ShardedMatrix
 from ..plan import UnitTask, flops_cost, plan_owners
 from . import compat
@@ -290,7 +290,7 @@ class ShardedMuonStep(torch.optim.Optimizer):
     @staticmethod
     def apply_update(p: torch.Tensor, o: torch.Tensor, lr: float, wd: float) -> None:
         """W <- W (1 - lr wd) - lr O (O already carries the Muon scale)."""
-        p.mul_(1.0 - lr * wd).add_(o, alpha=-lr)
+        decoupled_update(p, o, lr, 1.0 - lr * wd)
 
 
 class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):

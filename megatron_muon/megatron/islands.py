@@ -439,19 +439,15 @@ class _Entry:
     slot: int = 0  # DP rank of the island that handles it in the outer step
 
 
-def _unwrap(module):
-    while hasattr(module, "module"):
-        module = module.module
-    return module
-
-
 def island_param_names(model: list) -> list[tuple[str, torch.Tensor]]:
     """(global name, parameter) of this rank's model chunks, names with global layer numbers."""
-    from ..testing.gpt import global_param_name
+    from megatron.core.utils import unwrap_model
+
+    from .models import global_param_name
 
     out = []
     for chunk in model:
-        for name, p in _unwrap(chunk).named_parameters():
+        for name, p in unwrap_model(chunk).named_parameters():
             out.append((global_param_name(chunk, name), p))
     return out
 
@@ -911,10 +907,12 @@ def save_island_checkpoint(directory: str, model: list, optimizer, outer: Island
     with ``load_island_checkpoint`` on the same layout; the learning-rate scheduler is the
     caller's (put its ``state_dict`` in ``extra``).
     """
+    from megatron.core.utils import unwrap_model
+
     L = outer.layout
     path = _island_dir(directory, L)
     os.makedirs(path, exist_ok=True)
-    state = {"model": [_unwrap(m).state_dict() for m in model], "outer": outer.state_dict(),
+    state = {"model": [unwrap_model(m).state_dict() for m in model], "outer": outer.state_dict(),
              "extra": extra or {}}
     if optimizer is not None:
         state["optimizer"] = _inner_optimizer_state(optimizer)
@@ -927,6 +925,8 @@ def save_island_checkpoint(directory: str, model: list, optimizer, outer: Island
 def load_island_checkpoint(directory: str, model: list, optimizer,
                            outer: IslandOuterStep) -> dict:
     """Inverse of ``save_island_checkpoint`` (same layout); returns the ``extra`` dict."""
+    from megatron.core.utils import unwrap_model
+
     L = outer.layout
     path = os.path.join(_island_dir(directory, L), f"rank{L.local_rank:04d}.pt")
     if not os.path.isfile(path):
@@ -934,7 +934,7 @@ def load_island_checkpoint(directory: str, model: list, optimizer,
     state = torch.load(path, weights_only=False)
     with torch.no_grad():
         for m, sd in zip(model, state["model"]):
-            _unwrap(m).load_state_dict(sd)
+            unwrap_model(m).load_state_dict(sd)
     if optimizer is not None:
         _load_inner_optimizer_state(optimizer, state["optimizer"])
     outer.load_state_dict(state["outer"])

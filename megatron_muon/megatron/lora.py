@@ -412,12 +412,6 @@ def _as_chunks(model) -> list:
     return [model]
 
 
-def _unwrap(module):
-    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
-        module = module.module
-    return module
-
-
 def _is_ddp(module) -> bool:
     return any(c.__name__ in ("DistributedDataParallel", "FullyShardedDataParallel",
                               "TorchFullyShardedDataParallel") for c in type(module).__mro__)
@@ -522,6 +516,8 @@ def apply_lora(model, config: Optional[LoRAConfig] = None, **kwargs) -> list[LoR
     elif not isinstance(config, LoRAConfig):
         raise ValueError(f"config must be a LoRAConfig, got {type(config).__name__}")
     config.validate()
+    from megatron.core.utils import unwrap_model
+
     Column, _ = _linear_classes()
     chunks = _as_chunks(model)
     for chunk in chunks:
@@ -530,7 +526,7 @@ def apply_lora(model, config: Optional[LoRAConfig] = None, **kwargs) -> list[LoR
                              "(DDP allocates gradient buffers for the trainable parameters)")
     plan = []
     for chunk in chunks:
-        root = _unwrap(chunk)
+        root = unwrap_model(chunk)
         for name, module in _match_targets(root, config.targets):
             if hasattr(module, "lora"):
                 raise ValueError(f"{name} already has a LoRA adapter")
@@ -571,14 +567,16 @@ def apply_lora(model, config: Optional[LoRAConfig] = None, **kwargs) -> list[LoR
         adapter.A.requires_grad_(True)
         adapter.B.requires_grad_(True)
     for chunk in chunks:
-        _unwrap(chunk).lora_config = asdict(config)
+        unwrap_model(chunk).lora_config = asdict(config)
     return [a for _, a in adapters]
 
 
 def _lora_layers(model) -> list[tuple[torch.nn.Module, LoRAAdapter]]:
+    from megatron.core.utils import unwrap_model
+
     out = []
     for chunk in _as_chunks(model):
-        for module in _unwrap(chunk).modules():
+        for module in unwrap_model(chunk).modules():
             ad = getattr(module, "lora", None)
             if isinstance(ad, LoRAAdapter):
                 out.append((module, ad))
@@ -665,6 +663,8 @@ def save_lora(path: Union[str, os.PathLike], model, metadata: Optional[dict] = N
 
     Collective: every rank calls it; global rank 0 writes ``path`` atomically.
     """
+    from megatron.core.utils import unwrap_model
+
     layers = _lora_layers(model)
     if not layers:
         raise ValueError("the model has no LoRA adapters")
@@ -674,7 +674,7 @@ def save_lora(path: Union[str, os.PathLike], model, metadata: Optional[dict] = N
         if _writes_for(ad):
             local[ad.global_name] = {"A": A.cpu(), "B": B.cpu(), "kind": ad.kind,
                                      "shape": list(ad.shape)}
-    config = dict(getattr(_unwrap(_as_chunks(model)[0]), "lora_config", {}))
+    config = dict(getattr(unwrap_model(_as_chunks(model)[0]), "lora_config", {}))
     ranks = {ad.rank for _, ad in layers}
     alphas = {ad.alpha for _, ad in layers}
     if dist.is_initialized() and dist.get_world_size() > 1:

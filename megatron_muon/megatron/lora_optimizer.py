@@ -30,6 +30,12 @@ maths is exactly the tested single-device maths whatever the TP layout.  Per ste
 The returned ``step()`` value is Megatron's ``(update_successful, grad_norm, num_zeros)``; a
 non-finite gradient norm skips the step (``update_successful = False``), as Megatron's
 optimizers do.
+
+``last_timing`` holds the host-clock seconds of the last step's phases (gradient gather,
+directions, exchange, total); each phase is also a ``megatron_muon.trace`` span (and so a
+``torch.profiler`` range).  On GPUs the host clock times kernel launches, not the kernels:
+``profile=True`` synchronises the device around each phase so that it measures the work --
+at the cost of those synchronisations, hence off by default.
 """
 
 from __future__ import annotations
@@ -42,8 +48,8 @@ import torch
 import torch.distributed as dist
 
 from ..muon import Muon
-from ..newton_schulz import muon_scale
-from ..smuon import SMuon, smuon_direction
+from ..smuon import SMuon
+from ..trace import span
 from .lora import LoRAAdapter, _as_chunks, lora_adapters
 
 __all__ = ["LoRAOptimizer", "LORA_OPTIMIZERS"]
@@ -56,11 +62,6 @@ def _grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
     if g is None:
         g = p.grad
     return g
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 class LoRAOptimizer:
@@ -78,6 +79,8 @@ class LoRAOptimizer:
         smuon_work: ``distribute`` (default) or ``replicate`` (see the module docstring).
         work_group: ``tp`` (default) or ``tp_dp``: over which ranks sMuon's direction work
             is spread (expert adapters always use their own TP group).
+        profile: synchronise the device around the timed phases (``last_timing``), see the
+            module docstring.
     """
 
     def __init__(self, model, optimizer: str = "smuon", *, lr: float, weight_decay: float = 0.0,
@@ -85,7 +88,7 @@ class LoRAOptimizer:
                  ns_steps: int = 5, coefficient_type="simple", scale_mode: str = "spectral",
                  extra_scale_factor: float = 1.0, damping: float = 1e-6,
                  exact_sign: bool = False, adam_betas=(0.9, 0.999), adam_eps: float = 1e-8,
-                 smuon_work: str = "distribute", work_group: str = "tp"):
+                 smuon_work: str = "distribute", work_group: str = "tp", profile: bool = False):
         if optimizer not in LORA_OPTIMIZERS:
             raise ValueError(f"unknown LoRA optimizer {optimizer!r}; choose one of "
                              f"{list(LORA_OPTIMIZERS)}")
@@ -112,6 +115,7 @@ class LoRAOptimizer:
         self.clip_grad = float(clip_grad)
         self.smuon_work = smuon_work
         self.work_group = work_group
+        self.profile = bool(profile)
         self.masters: list[tuple[torch.Tensor, torch.Tensor]] = []
         for ad in self.adapters:
             A, B = ad.gather_full(canonical=True)
@@ -272,12 +276,18 @@ class LoRAOptimizer:
         return float(sq.sum().sqrt())
 
     # ------------------------------------------------------------------ the step
+    def _sync(self) -> None:
+        """Wait for the device when profiling (see the module docstring)."""
+        if self.profile and torch.cuda.is_available():
+            torch.cuda.synchronize()
+
     @torch.no_grad()
     def step(self, closure=None):
-        _sync()
+        self._sync()
         t0 = time.perf_counter()
-        self._load_grads()
-        _sync()
+        with span("lora.grad_gather", "lora"):
+            self._load_grads()
+            self._sync()
         t1 = time.perf_counter()
         norm = self._grad_norm()
         if not math.isfinite(norm):
@@ -290,12 +300,13 @@ class LoRAOptimizer:
                 A.grad.mul_(coef)
                 B.grad.mul_(coef)
         timing = {}
-        if self.kind == "smuon" and self.smuon_work == "distribute":
-            timing = self._smuon_distributed_step()
-        else:
-            self.inner.step()
-        self._write_back()
-        _sync()
+        with span("lora.step", "lora"):
+            if self.kind == "smuon" and self.smuon_work == "distribute":
+                timing = self._smuon_distributed_step()
+            else:
+                self.inner.step()
+            self._write_back()
+            self._sync()
         self.last_timing = dict(grad_gather_s=t1 - t0, total_s=time.perf_counter() - t0,
                                 **timing)
         return True, norm, None
@@ -312,60 +323,48 @@ class LoRAOptimizer:
         inner: SMuon = self.inner
         jobs = {}
         for group in inner.param_groups:
-            mu = group["momentum"]
             for A, B in inner._pairs(group):
-                updates = []
-                for p in (A, B):  # momentum exactly as SMuon.step (replicated: cheap)
-                    g = p.grad.float() if p.grad.dtype != torch.float64 else p.grad
-                    state = inner.state[p]
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = torch.zeros_like(g)
-                    buf = state["momentum_buffer"]
-                    buf.mul_(mu).add_(g)
-                    updates.append(g.add(buf, alpha=mu) if group["nesterov"] else buf)
+                # momentum exactly as SMuon.step (replicated: cheap); the gradients are finite
+                # (step checked their norm)
+                updates = inner.pair_momenta(group, A, B, check_finite=False)
                 jobs[self._index[id(A)]] = (group, A, B, updates)
-        _sync()
+        self._sync()
         t0 = time.perf_counter()
         dirs, t_exchange = {}, 0.0
         for plan in self._work_plan:
             mine = [i for i in plan["items"] if plan["size"] == 1 or plan["owner"][i] == plan["rank"]]
-            for i in mine:
-                group, A, B, (uA, uB) = jobs[i]
-                dirs[i] = smuon_direction(
-                    A, B, uA, uB, gamma=group["gamma"], damping=group["damping"],
-                    ns_steps=group["ns_steps"], coefficients=group["coefficient_type"],
-                    exact_sign=group["exact_sign"], eps=group["eps"])
+            with span("lora.directions", "lora"):
+                for i in mine:
+                    group, A, B, (uA, uB) = jobs[i]
+                    dirs[i] = inner.pair_direction(group, A, B, uA, uB)
             if plan["size"] == 1:
                 continue
-            _sync()
+            self._sync()
             te = time.perf_counter()
-            dev = self.masters[0][0].device
-            buf = torch.zeros(plan["slot"], dtype=torch.float32, device=dev)
-            for i in mine:
-                dA, dB = dirs[i]
-                o = plan["offset"][i]
-                buf[o: o + dA.numel()] = dA.reshape(-1)
-                buf[o + dA.numel(): o + dA.numel() + dB.numel()] = dB.reshape(-1)
-            parts = [torch.empty_like(buf) for _ in range(plan["size"])]
-            dist.all_gather(parts, buf, group=plan["group"])
-            for i in plan["items"]:
-                if plan["owner"][i] == plan["rank"]:
-                    continue
-                _, A, B, _ = jobs[i]
-                part, o = parts[plan["owner"][i]], plan["offset"][i]
-                dirs[i] = (part[o: o + A.numel()].view(A.shape),
-                           part[o + A.numel(): o + A.numel() + B.numel()].view(B.shape))
-            _sync()
+            with span("lora.exchange", "lora"):
+                self._exchange(plan, mine, jobs, dirs)
+            self._sync()
             t_exchange += time.perf_counter() - te
         t_dir = time.perf_counter() - t0 - t_exchange
         for i, (group, A, B, _) in jobs.items():
-            dA, dB = dirs[i]
-            lr = group["lr"]
-            decay = math.sqrt(1.0 - lr * group["weight_decay"])
-            m, n = B.shape[0], A.shape[1]
-            step = lr * muon_scale(m, n, group["scale_mode"], group["extra_scale_factor"])
-            for p, d in ((A, dA), (B, dB)):
-                if decay != 1.0:
-                    p.mul_(decay)
-                p.add_(d.to(p.dtype), alpha=-step)
+            inner.apply_pair(group, A, B, *dirs[i])
         return dict(direction_s=t_dir, exchange_s=t_exchange)
+
+    def _exchange(self, plan: dict, mine: list, jobs: dict, dirs: dict) -> None:
+        """One all_gather of the packed directions of ``plan``'s owners: every rank gets all."""
+        dev = self.masters[0][0].device
+        buf = torch.zeros(plan["slot"], dtype=torch.float32, device=dev)
+        for i in mine:
+            dA, dB = dirs[i]
+            o = plan["offset"][i]
+            buf[o: o + dA.numel()] = dA.reshape(-1)
+            buf[o + dA.numel(): o + dA.numel() + dB.numel()] = dB.reshape(-1)
+        parts = [torch.empty_like(buf) for _ in range(plan["size"])]
+        dist.all_gather(parts, buf, group=plan["group"])
+        for i in plan["items"]:
+            if plan["owner"][i] == plan["rank"]:
+                continue
+            _, A, B, _ = jobs[i]
+            part, o = parts[plan["owner"][i]], plan["offset"][i]
+            dirs[i] = (part[o: o + A.numel()].view(A.shape),
+                       part[o + A.numel(): o + A.numel() + B.numel()].view(B.shape))

@@ -41,8 +41,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .checkpoint import _unwrap
-
 logger = logging.getLogger(__name__)
 
 __all__ = ["MatrixZeRO3", "shard_model", "zero3_of", "zero3s", "gathered_params",
@@ -210,7 +208,9 @@ class MatrixZeRO3:
                 raise ValueError(f"ZeRO-3 does not support {flag}=True")
         if list(getattr(ddp_model, "expert_parallel_buffers", [])):
             raise ValueError("ZeRO-3 (dmuon_zero3) supports dense models only (no MoE experts)")
-        self.model = _unwrap(ddp_model)  # the GPTModel (under DDP and Float16Module)
+        from megatron.core.utils import unwrap_model
+
+        self.model = unwrap_model(ddp_model)  # the GPTModel (under DDP and Float16Module)
         if getattr(self.model, "share_embeddings_and_output_weights", False):
             from megatron.core import parallel_state
 

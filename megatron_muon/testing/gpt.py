@@ -4,17 +4,20 @@ Deterministic: weights come from ``use_cpu_initialization`` (the same full matri
 every TP size) and the data of step ``s`` is a fixed global batch of
 ``dp * num_microbatches`` microbatches, of which DP rank ``d`` takes its contiguous share.
 A single-process reference that takes all of them sees exactly the same mean gradient.
+``init_parallel``, ``wire_ddp_hooks`` and ``global_param_name`` come from the library
+(``megatron_muon.megatron.models``) and are re-exported here.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+
+from ..megatron.models import global_param_name, init_parallel, wire_ddp_hooks
 
 __all__ = [
     "TinyGPTConfig",
@@ -47,23 +50,6 @@ class TinyGPTConfig:
     seed: int = 1234
     data_seed: int = 42
     extra: dict = field(default_factory=dict)  # more TransformerConfig fields
-
-
-def init_parallel(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1,
-                  seed: int = 1234) -> None:
-    """Megatron model-parallel groups + RNG for an already initialised world."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    world = dist.get_world_size()
-    if world % (tp * pp) != 0:
-        raise ValueError(f"TP x PP = {tp} x {pp} does not divide the world size {world}")
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep)
-    torch.manual_seed(seed)  # CPU init (use_cpu_initialization) draws from this generator
-    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available())
 
 
 def _dtype(cfg: TinyGPTConfig) -> torch.dtype:
@@ -152,23 +138,11 @@ def build_gpt(cfg: TinyGPTConfig, *, wrap_ddp: bool = True, ddp_config=None,
     return wrapped
 
 
-def wire_ddp_hooks(tcfg, model: list, ddp_config) -> None:
-    """What Megatron-LM's training loop sets on the config: grad sync and finalisation."""
-    from megatron.core.distributed import finalize_model_grads
-
-    no_sync = [m.no_sync for m in model]
-    tcfg.no_sync_func = no_sync[0] if len(model) == 1 else no_sync
-    if ddp_config.overlap_grad_reduce:
-        sync = [m.start_grad_sync for m in model]
-        tcfg.grad_sync_func = sync[0] if len(model) == 1 else sync
-    if ddp_config.overlap_param_gather:
-        psync = [m.start_param_sync for m in model]
-        tcfg.param_sync_func = psync[0] if len(model) == 1 else psync
-    tcfg.finalize_model_grads_func = finalize_model_grads
-
-
 def _gated_fc1(name: str, model) -> bool:
-    return name.endswith("linear_fc1.weight") and bool(_unwrap(model).config.gated_linear_unit)
+    from megatron.core.utils import unwrap_model
+
+    return (name.endswith("linear_fc1.weight")
+            and bool(unwrap_model(model).config.gated_linear_unit))
 
 
 def _to_tp_order(name, model, full: torch.Tensor, tp: int) -> torch.Tensor:
@@ -282,39 +256,8 @@ def layout_ranks() -> dict:
                 dp_size=ps.get_data_parallel_world_size())
 
 
-_LAYER_RE = re.compile(r"(^|\.)layers\.(\d+)\.")
-_EXPERT_RE = re.compile(r"local_experts\.(\d+)\.")
-
-
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-def global_param_name(model_chunk, name: str) -> str:
-    """Parameter name with the pipeline-local layer index replaced by the global one."""
-    from megatron.core import parallel_state as ps
-
-    gpt = _unwrap(model_chunk)
-    ex = _EXPERT_RE.search(name)
-    if ex and gpt.config.num_moe_experts:  # local expert index -> global expert index
-        local_n = gpt.config.num_moe_experts // ps.get_expert_model_parallel_world_size()
-        g = ps.get_expert_model_parallel_rank() * local_n + int(ex.group(1))
-        name = name[: ex.start(1)] + str(g) + name[ex.end(1):]
-    match = _LAYER_RE.search(name)
-    if not match:
-        return name
-    local = int(match.group(2))
-    layer = gpt.decoder.layers[local]
-    glob = layer.layer_number - 1
-    return name[: match.start(2)] + str(glob) + name[match.end(2):]
-
-
 def full_named_params(model: list, use_main_params: bool = False) -> dict:
     """{global name: full (TP-gathered) fp32 tensor} for this rank's stage, on CPU."""
-    from megatron.core import parallel_state as ps
-
     from ..megatron.zero3 import gathered_params
 
     with gathered_params(model):
@@ -323,12 +266,13 @@ def full_named_params(model: list, use_main_params: bool = False) -> dict:
 
 def _full_named_params(model: list) -> dict:
     from megatron.core import parallel_state as ps
+    from megatron.core.utils import unwrap_model
 
     tp_group = ps.get_tensor_model_parallel_group()
     tp = ps.get_tensor_model_parallel_world_size()
     out = {}
     for chunk in model:
-        gpt = _unwrap(chunk)
+        gpt = unwrap_model(chunk)
         for name, p in gpt.named_parameters():
             t = p.detach().float()
             if tp > 1 and getattr(p, "tensor_model_parallel", False):

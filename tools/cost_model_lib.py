@@ -18,7 +18,7 @@ so the locality-aware plan sees what each DP shard holds).  Megatron-Core's laye
 Muon uses Megatron-Core's own placement, re-implemented from its source: 0.16 deals params
 sorted by size ping-pong over DP; 0.19 packs them into a shard-aligned buffer.
 
-Modes (SPEC sections 2 and 3):
+Modes (see docs/design.md):
 
 - ``adamw``: Megatron's distributed optimizer (ZeRO-1).
 - ``muon_naive``: ZeRO-1; every rank of the stage's DP x TP group gathers every matrix and
@@ -40,6 +40,8 @@ Modes (SPEC sections 2 and 3):
   every rank.
 
 Pure Python (plus the planner's imports); knows nothing of Megatron or torch.distributed.
+A tool, not part of the ``megatron_muon`` package (the training runtime never needs it):
+``tools/cost_model.py`` is its command line, ``tests/test_costmodel.py`` its tests.
 Every number below that is not measured is an assumption, named where it is used.
 """
 
@@ -51,9 +53,9 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Optional, Sequence
 
-from .newton_schulz import ns_flops
-from .plan import OwnerPlan, UnitTask, plan_owners
-from .units import gate_up_units, qkv_units
+from megatron_muon.newton_schulz import ns_flops
+from megatron_muon.plan import OwnerPlan, UnitTask, plan_owners
+from megatron_muon.units import gate_up_units, qkv_units
 
 __all__ = [
     "ModelConfig", "Layout", "RunConfig", "Hardware", "Prediction", "HARDWARE", "MODELS",
@@ -224,25 +226,22 @@ class Hardware:
                 return r0 + w * (r1 - r0)
         return pts[-1][1]
 
-    def adam_time(self, elems: float) -> float:
-        per = self.adam_s_per_elem if self.adam_s_per_elem is not None else \
-            ADAM_BYTES_PER_ELEM / self.elem_bw
+    def _elem_time(self, elems: float, measured: Optional[float], bytes_per_elem: float) -> float:
+        """``elems`` times the calibrated seconds per element, else bytes over ``elem_bw``."""
+        per = measured if measured is not None else bytes_per_elem / self.elem_bw
         return elems * per
+
+    def adam_time(self, elems: float) -> float:
+        return self._elem_time(elems, self.adam_s_per_elem, ADAM_BYTES_PER_ELEM)
 
     def muon_elem_time(self, elems: float) -> float:
-        per = self.muon_s_per_elem if self.muon_s_per_elem is not None else \
-            MUON_BYTES_PER_ELEM / self.elem_bw
-        return elems * per
+        return self._elem_time(elems, self.muon_s_per_elem, MUON_BYTES_PER_ELEM)
 
     def owned_time(self, elems: float) -> float:
-        per = self.owned_s_per_elem if self.owned_s_per_elem is not None else \
-            OWNED_BYTES_PER_ELEM / self.elem_bw
-        return elems * per
+        return self._elem_time(elems, self.owned_s_per_elem, OWNED_BYTES_PER_ELEM)
 
     def copy_time(self, elems: float) -> float:
-        per = self.copy_s_per_elem if self.copy_s_per_elem is not None else \
-            COPY_BYTES_PER_ELEM / self.elem_bw
-        return elems * per
+        return self._elem_time(elems, self.copy_s_per_elem, COPY_BYTES_PER_ELEM)
 
 
 # Public spec numbers (dense, no sparsity).  Bandwidths are per GPU and per direction.
@@ -352,7 +351,7 @@ def stage_tensors(model: ModelConfig, layout: Layout, run: RunConfig = RunConfig
                   ) -> list[StageTensor]:
     """Parameters of pipeline stage 0 in Megatron's ``named_parameters`` order.
 
-    One EP rank's experts (E / EP per MoE layer).  Units follow SPEC section 1: QKV split
+    One EP rank's experts (E / EP per MoE layer).  Units follow docs/design.md: QKV split
     into Q, K, V (``qkv_units``), SwiGLU fc1 optionally into gate/up, one unit per expert.
     """
     h, tp = model.hidden_size, layout.tp
@@ -752,13 +751,18 @@ class _Stage:
         self.nbuckets = max(1, math.ceil(self.local_total / bucket)) if bucket else 1
         self._cache: dict = {}
 
+    def part(self, expert: bool) -> tuple[list, int, Group, int]:
+        """``(tensors, DP size, DP group, TP size)`` of the dense part or of the local experts."""
+        lay = self.layout
+        if expert:
+            return self.experts, lay.edp, self.g_edp, lay.etp
+        return self.dense, lay.dp, self.g_dp, lay.tp
+
     # ZeRO-1 layouts and owner plans ------------------------------------------------------
     def zero1(self, expert: bool) -> Zero1Layout:
         key = ("z1", expert)
         if key not in self._cache:
-            ts = self.experts if expert else self.dense
-            n = self.layout.edp if expert else self.layout.dp
-            tp = self.layout.etp if expert else self.layout.tp
+            ts, n, _, tp = self.part(expert)
             self._cache[key] = zero1_holdings(ts, n, tp, self.run, self.bucket)
         return self._cache[key]
 
@@ -994,10 +998,7 @@ def _cost_mcore(st, hw, run, mode) -> _Costs:
     ns = elem = tp_comm = pg = 0.0
     ws_units: list = []
     for expert in st.kinds:
-        ts = st.experts if expert else st.dense
-        n = lay.edp if expert else lay.dp
-        group = st.g_edp if expert else st.g_dp
-        ttp = lay.etp if expert else lay.tp
+        ts, n, group, ttp = st.part(expert)
         total = sum(t.local_numel for t in ts)
         muon_ts = [t for t in ts if t.muon]
         adam_total = total - sum(t.local_numel for t in muon_ts)
@@ -1070,10 +1071,7 @@ def _cost_matrix(st, hw, run, mode) -> _Costs:
     owned_total = 0.0
     ws_units: list = []
     for expert in st.kinds:
-        ts = st.experts if expert else st.dense
-        n = lay.edp if expert else lay.dp
-        group = st.g_edp if expert else st.g_dp
-        ttp = lay.etp if expert else lay.tp
+        ts, n, group, ttp = st.part(expert)
         total = sum(t.local_numel for t in ts)
         muon_total = sum(t.local_numel for t in ts if t.muon)
         if mode == "fsdp2_reconstruct":
@@ -1191,7 +1189,7 @@ def predict(model: ModelConfig, layout: Layout, hw: Hardware, mode: str,
       exposed = max(W / buckets, W - window).  overlap_efficiency (0.5) is the share of the
       backward in which NS GEMMs and all-to-alls run without slowing the backward kernels
       they share the GPU and the network with: an assumption, not a measurement.  NS run
-      early is speculative under gradient clipping (SPEC section 2), not counted here.
+      early is speculative under gradient clipping (docs/design.md), not counted here.
     """
     if mode not in _MODE_COSTS:
         raise ValueError(f"unknown mode {mode!r}; choose one of {MODES + EXTRA_MODES}")

@@ -1,0 +1,32 @@
+"""The span recorder: Chrome-trace events on the host clock and torch.profiler ranges."""
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from megatron_muon import trace
+
+
+def test_span_records_an_event_and_a_profiler_range():
+    tl = trace.start(rank=3)
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with trace.span("dmuon.ns", bucket_group=1):
+                torch.randn(32, 32) @ torch.randn(32, 32)
+        with trace.span("dmuon.scatter"):  # no profiler: the timeline only
+            pass
+    finally:
+        trace.stop()
+    assert "dmuon.ns" in {e.name for e in prof.events()}
+    (ns,) = tl.events("dmuon.ns")
+    assert ns["pid"] == 3 and ns["args"] == {"bucket_group": 1} and ns["dur"] >= 0
+    assert [e["name"] for e in tl.events()] == ["dmuon.ns", "dmuon.scatter"]
+
+
+def test_span_without_timeline_still_opens_the_profiler_range():
+    assert trace.active() is None
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with trace.span("lora.exchange", "lora"):
+            torch.ones(4).sum()
+    assert "lora.exchange" in {e.name for e in prof.events()}
+    with trace.span("nothing recording"):
+        pass
