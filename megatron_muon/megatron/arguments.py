@@ -76,6 +76,9 @@ class _Switch(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, option_string not in self.off)
 
+    def format_usage(self) -> str:  # the usage line: [--x | --no-x]
+        return f"{self.option_strings[0]} | {self.off[0]}"
+
 
 def flag_specs() -> list:
     """``(dest, option strings, argparse kwargs)`` for every generated flag, in order; one
