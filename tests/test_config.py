@@ -97,7 +97,8 @@ def test_overlap_auto_is_on_except_under_zero3():
     assert not cfg(dmuon_overlap="off").overlap_enabled and cfg(dmuon_overlap="on").overlap_enabled
     # the former bool field: True / False are stored as 'on' / 'off'
     assert cfg(dmuon_overlap=True).dmuon_overlap == "on"
-    assert cfg(dmuon_overlap=False).dmuon_overlap == "off" and not cfg(dmuon_overlap=False).overlap_enabled
+    off = cfg(dmuon_overlap=False)
+    assert off.dmuon_overlap == "off" and not off.overlap_enabled
     # the refinements are kept as given (they only act while the overlap is on)
     assert c.dmuon_overlap_bucket_gather and c.dmuon_overlap_param_update
     assert [resolve_overlap(m, z) for m in ("auto", "on", "off") for z in (False, True)

@@ -83,6 +83,7 @@ class DMuonOptimizerConfig(OptimizerConfig):
     muon_momentum: float = setting(0.95, "Muon momentum mu in [0, 1).")
     muon_nesterov: bool = setting(False, "Nesterov momentum (U = G + mu M) for Muon.")
     muon_num_ns_steps: int = setting(5, "Newton-Schulz iterations (>= 1).")
+    # The Python API also takes explicit (a, b, c) triples here (see newton_schulz).
     muon_coefficient_type: CoefficientType = setting(
         "quintic", f"Newton-Schulz coefficient set: {', '.join(sorted(COEFFICIENT_SETS))}.",
         cli_choices=False)
@@ -211,7 +212,8 @@ def resolve_overlap(overlap: Any, zero3: bool) -> bool:
     """
     mode = _overlap_mode(overlap)
     if mode not in OVERLAP_MODES:
-        raise ValueError(f"dmuon_overlap must be one of {', '.join(OVERLAP_MODES)}, got {overlap!r}")
+        raise ValueError(f"dmuon_overlap must be one of {', '.join(OVERLAP_MODES)}, "
+                         f"got {overlap!r}")
     if mode == "on" and zero3:
         raise ValueError("dmuon_overlap='on' does not work with dmuon_zero3=True (ZeRO-3's Muon "
                          "step has no data-parallel collective to hide): use 'auto' or 'off'")
@@ -318,9 +320,9 @@ def check_dmuon_settings(get: Callable[[str], Any], *, cli: bool,
             fail(f"{N('dmuon_adam_params')} {regex!r} is not a valid regular expression: {err}")
     if get("dmuon_zero3"):
         if optimizer != "dmuon" or get("dmuon_placement") != "matrix":
+            got = s.both(("optimizer", optimizer), ("dmuon_placement", get("dmuon_placement")))
             fail(f"{s.set('dmuon_zero3', True)} needs "
-                 f"{s.both(('optimizer', 'dmuon'), ('dmuon_placement', 'matrix'))} "
-                 f"(got {s.both(('optimizer', optimizer), ('dmuon_placement', get('dmuon_placement')))})")
+                 f"{s.both(('optimizer', 'dmuon'), ('dmuon_placement', 'matrix'))} (got {got})")
         if _overlap_mode(get("dmuon_overlap")) == "on":
             fail(f"{s.set('dmuon_overlap', 'on')} does not work with "
                  f"{s.set('dmuon_zero3', True)}: ZeRO-3's Muon step has no data-parallel "
