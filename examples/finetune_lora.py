@@ -88,41 +88,55 @@ def get_args(argv=None) -> argparse.Namespace:
     g.add_argument("--load", default=None,
                    help="checkpoint directory of examples/pretrain_gpt.py --save (default: "
                         "pretrain one, cached in --out-dir)")
-    g.add_argument("--pretrain-iters", type=int, default=200)
+    g.add_argument("--pretrain-iters", type=int, default=200,
+                   help="iterations of the base-model pretraining when no --load is given")
     g.add_argument("--num-attention-heads", type=int, default=4,
                    help="must match the pretraining (not recorded in the checkpoint)")
-    g.add_argument("--seq-length", type=int, default=64)
+    g.add_argument("--seq-length", type=int, default=64, help="tokens per sample")
 
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="tensor-parallel ranks (the adapters are TP-sharded like their layer)")
     g.add_argument("--nproc", type=int, default=None,
                    help="ranks to start without torchrun (default: the TP size)")
 
     g = p.add_argument_group("LoRA")
-    g.add_argument("--lora-rank", type=int, default=8)
-    g.add_argument("--lora-alpha", type=float, default=16.0)
+    g.add_argument("--lora-rank", type=int, default=8, help="adapter rank r")
+    g.add_argument("--lora-alpha", type=float, default=16.0,
+                   help="the adapter output is scaled by alpha / r")
     g.add_argument("--lora-targets", nargs="+", default=list(DEFAULT_TARGETS),
                    help="qkv proj fc1 fc2 experts, or module names (comma or space separated)")
-    g.add_argument("--lora-init", choices=("kaiming", "normal"), default="kaiming")
+    g.add_argument("--lora-init", choices=("kaiming", "normal"), default="kaiming",
+                   help="init of A (B starts at 0): kaiming = U(-1/sqrt(n), 1/sqrt(n)) as "
+                        "nn.Linear and PEFT, normal = N(0, 1/r^2)")
     g.add_argument("--save-adapters", action="store_true",
                    help="write <out-dir>/adapter-<optimizer>.pt (TP-independent)")
 
     g = p.add_argument_group("training")
-    g.add_argument("--optimizer", choices=OPTIMIZERS + ("all",), default="all")
+    g.add_argument("--optimizer", choices=OPTIMIZERS + ("all",), default="all",
+                   help="optimizer of the adapters; all: one run of each, compared")
     g.add_argument("--lr", type=float, default=None,
                    help="default per optimizer: " + ", ".join(f"{k} {v:g}"
                                                               for k, v in DEFAULT_LR.items()))
-    g.add_argument("--min-lr-ratio", type=float, default=0.1)
-    g.add_argument("--lr-warmup-iters", type=int, default=10)
-    g.add_argument("--train-iters", type=int, default=150)
-    g.add_argument("--micro-batch-size", type=int, default=4)
-    g.add_argument("--global-batch-size", type=int, default=16)
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--muon-momentum", type=float, default=0.95)
+    g.add_argument("--min-lr-ratio", type=float, default=0.1,
+                   help="the cosine decay ends at this x --lr")
+    g.add_argument("--lr-warmup-iters", type=int, default=10, help="linear warmup steps")
+    g.add_argument("--train-iters", type=int, default=150, help="fine-tuning steps")
+    g.add_argument("--micro-batch-size", type=int, default=4,
+                   help="samples per forward/backward on each data-parallel rank")
+    g.add_argument("--global-batch-size", type=int, default=16,
+                   help="samples per optimizer step, over all data-parallel ranks")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay")
+    g.add_argument("--clip-grad", type=float, default=1.0,
+                   help="clip the global gradient norm to this (0: off)")
+    g.add_argument("--muon-momentum", type=float, default=0.95,
+                   help="momentum of sMuon and per-factor Muon, in [0, 1)")
     g.add_argument("--muon-extra-scale-factor", type=float, default=0.2,
                    help="spectral scale x this (0.2 matches AdamW's update RMS, as Moonlight)")
-    g.add_argument("--smuon-work", choices=("distribute", "replicate"), default="distribute")
+    g.add_argument("--smuon-work", choices=("distribute", "replicate"), default="distribute",
+                   help="distribute: each rank of the work group computes the sMuon "
+                        "directions of some adapters, then they are shared; replicate: every "
+                        "rank computes all of them")
     g.add_argument("--seed", type=int, default=1234,
                    help="fine-tuning seed: LoRA init and data order (the pretraining keeps "
                         "pretrain_gpt.py's default seed)")
@@ -130,13 +144,19 @@ def get_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("data and output")
     g.add_argument("--data-path", default=None,
                    help="text file or directory (default: this Python's C headers)")
-    g.add_argument("--eval-fraction", type=float, default=0.1)
-    g.add_argument("--eval-samples", type=int, default=192)
-    g.add_argument("--eval-interval", type=int, default=25)
+    g.add_argument("--eval-fraction", type=float, default=0.1,
+                   help="share of the documents held out for evaluation")
+    g.add_argument("--eval-samples", type=int, default=192,
+                   help="held-out samples per evaluation")
+    g.add_argument("--eval-interval", type=int, default=25,
+                   help="iterations between held-out evaluations")
     g.add_argument("--data-cache-dir", default=os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "megatron_muon"))
-    g.add_argument("--out-dir", default=str(REPO / "runs" / "finetune_lora"))
-    g.add_argument("--log-interval", type=int, default=25)
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "megatron_muon"),
+        help="where tokenized corpora and dataset indices are cached")
+    g.add_argument("--out-dir", default=str(REPO / "runs" / "finetune_lora"),
+                   help="results, plot, adapters and the cached base model")
+    g.add_argument("--log-interval", type=int, default=25,
+                   help="iterations between log lines")
     args = p.parse_args(argv)
     args.lora_targets = [t for item in args.lora_targets for t in item.split(",") if t]
     return args

@@ -55,33 +55,40 @@ LABELS = {"adam": "data-parallel AdamW", "diloco": "DiLoCo", "isoloco": "IsoLoCo
 def get_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--methods", default="adam,diloco,isoloco")
+    p.add_argument("--methods", default="adam,diloco,isoloco",
+                   help="comma-separated runs to compare: adam, diloco, isoloco")
     p.add_argument("--nproc", type=int, default=4, help="ranks = islands of 1 rank")
     p.add_argument("--train-iters", type=int, default=300, help="inner steps per run")
-    p.add_argument("--diloco-inner-steps", type=int, default=30, help="H")
-    p.add_argument("--isoloco-mode", choices=("svd", "ns"), default="svd")
+    p.add_argument("--diloco-inner-steps", type=int, default=30,
+                   help="H: inner steps between two outer synchronizations")
+    p.add_argument("--isoloco-mode", choices=("svd", "ns"), default="svd",
+                   help="Iso-C by SVD (exact) or by Newton-Schulz (matmuls only)")
     p.add_argument("--isoloco-order", choices=("iso_first", "momentum_first"),
-                   default="iso_first")
+                   default="iso_first", help="iso_first: Iso-C of the mean delta, then "
+                   "momentum; momentum_first: momentum on the mean delta, then Iso-C")
     p.add_argument("--diloco-outer-lr", type=float, default=None, help="default 0.7")
     p.add_argument("--diloco-outer-momentum", type=float, default=None, help="default 0.9")
     p.add_argument("--isoloco-outer-lr", type=float, default=None, help="default 1.8")
     p.add_argument("--isoloco-outer-momentum", type=float, default=None, help="default 0.8")
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--hidden-size", type=int, default=128)
-    p.add_argument("--num-attention-heads", type=int, default=4)
-    p.add_argument("--seq-length", type=int, default=64)
+    p.add_argument("--num-layers", type=int, default=4, help="transformer layers")
+    p.add_argument("--hidden-size", type=int, default=128, help="model width")
+    p.add_argument("--num-attention-heads", type=int, default=4, help="attention heads")
+    p.add_argument("--seq-length", type=int, default=64, help="tokens per sample")
     p.add_argument("--micro-batch-size", type=int, default=4, help="per rank / island")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--min-lr", type=float, default=2e-4)
-    p.add_argument("--lr-warmup-iters", type=int, default=20)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip-grad", type=float, default=1.0)
-    p.add_argument("--eval-samples", type=int, default=128)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--lr", type=float, default=2e-3, help="peak inner learning rate")
+    p.add_argument("--min-lr", type=float, default=2e-4,
+                   help="inner learning rate at the end of the decay")
+    p.add_argument("--lr-warmup-iters", type=int, default=20, help="linear warmup steps")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay")
+    p.add_argument("--clip-grad", type=float, default=1.0,
+                   help="clip the gradient norm to this (0: off)")
+    p.add_argument("--eval-samples", type=int, default=128, help="held-out samples per evaluation")
+    p.add_argument("--seed", type=int, default=1234, help="random seed")
     p.add_argument("--data-path", default=None, help="default: the Python stdlib sources")
     p.add_argument("--data-cache-dir", default=os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "megatron_muon"))
-    p.add_argument("--out-dir", default=str(REPO / "runs"))
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "megatron_muon"),
+        help="where the tokenized corpus and dataset indices are cached")
+    p.add_argument("--out-dir", default=str(REPO / "runs"), help="where the results go")
     p.add_argument("--timeout", type=float, default=1800, help="seconds for the whole run")
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]

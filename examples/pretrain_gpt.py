@@ -99,61 +99,90 @@ class _ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see --help)")
 
 
-def get_args(argv=None) -> argparse.Namespace:
+# The example's Muon defaults (the rest are DMuonOptimizerConfig's): Nesterov, and an update
+# RMS matched to AdamW's (spectral scale x 0.2, as Moonlight), so one --lr serves both parts
+# of the model; fp32 Newton-Schulz on CPU, bf16 with CUDA.
+MUON_DEFAULTS = dict(muon_nesterov=True, muon_extra_scale_factor=0.2,
+                     muon_fp32_matmul_prec="medium" if torch.cuda.is_available() else "highest")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; the --muon-* / --dmuon-* flags come from DMuonOptimizerConfig."""
     from megatron_muon.megatron.arguments import add_dmuon_args
 
     p = _ArgumentParser(description="Pretrain a small GPT with Megatron-Core + DMuon.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                allow_abbrev=False)
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                        allow_abbrev=False)
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=2)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=2,
+                   help="tensor-parallel ranks per model replica")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="pipeline stages (1F1B schedule when > 1)")
     g.add_argument("--nproc", type=int, default=None,
                    help="ranks to start when launched without torchrun "
                         "(default: 4 on CPU, the number of GPUs with CUDA)")
-    g.add_argument("--overlap-grad-reduce", action="store_true")
-    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="reduce-scatter gradients bucket by bucket during the backward pass")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="all-gather updated parameters bucket by bucket under the next "
+                        "forward pass")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="DDP bucket size in elements (Megatron's default without it); under "
                         "--dmuon-zero3 the bucket is the unit gathered for forward/backward")
 
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--hidden-size", type=int, default=128)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden")
-    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-layers", type=int, default=4, help="transformer layers")
+    g.add_argument("--hidden-size", type=int, default=128, help="model width")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="MLP width; default: 4 x hidden")
+    g.add_argument("--num-attention-heads", type=int, default=4, help="attention heads")
     g.add_argument("--num-query-groups", type=int, default=None,
                    help="grouped-query attention; default: one group per head")
-    g.add_argument("--seq-length", type=int, default=64)
-    g.add_argument("--swiglu", action="store_true")
-    g.add_argument("--hidden-dropout", type=float, default=0.0)
-    g.add_argument("--attention-dropout", type=float, default=0.0)
-    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--seq-length", type=int, default=64, help="tokens per sample")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP instead of GeLU")
+    g.add_argument("--hidden-dropout", type=float, default=0.0,
+                   help="dropout after attention and MLP")
+    g.add_argument("--attention-dropout", type=float, default=0.0,
+                   help="dropout on the attention probabilities")
+    g.add_argument("--init-method-std", type=float, default=0.02,
+                   help="std of the normal weight initialization")
     g.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"),
                    default="auto", help="auto: Transformer Engine on CUDA when it imports")
-    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--bf16", action="store_true",
+                   help="bf16 parameters and compute (fp32 main weights in the optimizer)")
 
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=4)
-    g.add_argument("--global-batch-size", type=int, default=16)
-    g.add_argument("--train-iters", type=int, default=250)
+    g.add_argument("--micro-batch-size", type=int, default=4,
+                   help="samples per forward/backward on each data-parallel rank")
+    g.add_argument("--global-batch-size", type=int, default=16,
+                   help="samples per optimizer step, over all data-parallel ranks")
+    g.add_argument("--train-iters", type=int, default=250, help="optimizer steps")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving, with --save) once the iteration number is a "
                         "multiple of this; resume later with --load for the rest of the same "
                         "--train-iters schedule (Megatron-LM's flag)")
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--optimizer", choices=OPTIMIZERS, default="dmuon")
-    g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--min-lr", type=float, default=3e-4)
-    g.add_argument("--lr-warmup-iters", type=int, default=10)
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--seed", type=int, default=1234,
+                   help="random seed (initialization, data order, dropout)")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default="dmuon",
+                   help="dmuon: owner-centric Muon for hidden matrices + AdamW for the rest; "
+                        "muon_naive: the same maths, every rank orthogonalizing every matrix; "
+                        "adam: Megatron-Core's AdamW")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=3e-4,
+                   help="learning rate at the end of the decay")
+    g.add_argument("--lr-warmup-iters", type=int, default=10,
+                   help="linear warmup steps from 0 to --lr")
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="steps of the decay to --min-lr; default: --train-iters")
     g.add_argument("--lr-decay-style", default="cosine",
-                   choices=("constant", "linear", "cosine", "inverse-square-root"))
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.95)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
+                   choices=("constant", "linear", "cosine", "inverse-square-root"),
+                   help="learning-rate decay after the warmup")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay")
+    g.add_argument("--clip-grad", type=float, default=1.0,
+                   help="clip the global gradient norm to this (0: off)")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW beta1")
+    g.add_argument("--adam-beta2", type=float, default=0.95, help="AdamW beta2")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
     g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction,
                    default=True, help="stop at a NaN/Inf loss (each microbatch), local "
                    "gradient (Megatron DDP's check_for_nan_in_grad, before the data-parallel "
@@ -164,7 +193,9 @@ def get_args(argv=None) -> argparse.Namespace:
                    help="a text file, a directory of text files, or the prefix of a Megatron "
                         ".bin/.idx pair (byte tokens); default: the Python stdlib sources")
     g.add_argument("--data-cache-dir", default=os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "megatron_muon"))
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "megatron_muon"),
+        help="where the tokenized corpus and Megatron's dataset indices are cached "
+             "(a shared filesystem for multi-node runs)")
 
     g = p.add_argument_group("checkpointing and logging")
     g.add_argument("--save", default=None, help="checkpoint directory to write")
@@ -179,15 +210,17 @@ def get_args(argv=None) -> argparse.Namespace:
     sched.add_argument("--override-opt-param-scheduler", action="store_true",
                        help="on resume, use the command line's LR / weight-decay schedule "
                             "instead of the checkpoint's")
-    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--log-interval", type=int, default=10,
+                   help="iterations between log lines of rank 0")
     g.add_argument("--log-json", default=None, help="write per-step losses and timings here")
 
-    add_dmuon_args(p)  # --muon-* and --dmuon-* (megatron_muon/megatron/arguments.py)
-    # The example's Muon defaults: Nesterov, and an update RMS matched to AdamW's
-    # (spectral scale x 0.2, as Moonlight), so one --lr serves both parts of the model.
-    p.set_defaults(muon_nesterov=True, muon_extra_scale_factor=0.2,
-                   muon_fp32_matmul_prec="medium" if torch.cuda.is_available() else "highest")
-    return p.parse_args(argv)
+    add_dmuon_args(p)  # --muon-* and --dmuon-*, generated from DMuonOptimizerConfig
+    p.set_defaults(**MUON_DEFAULTS)
+    return p
+
+
+def get_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def check_args(args, world_size: int) -> None:

@@ -16,20 +16,36 @@ def cfg(**kw):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(muon_coefficient_type="nope"), "unknown Newton-Schulz coefficient set"),
-    (dict(muon_scale_mode="nope"), "unknown muon scale mode"),
+    (dict(muon_coefficient_type="nope"), "muon_coefficient_type 'nope' is unknown"),
+    (dict(muon_coefficient_type=[(1.0, 2.0)]), "explicit coefficients must be"),
+    (dict(muon_scale_mode="nope"), "muon_scale_mode 'nope' is unknown"),
     (dict(muon_num_ns_steps=0), "ns_steps must be an integer >= 1"),
     (dict(muon_momentum=1.0), "momentum must be in"),
     (dict(muon_fp32_matmul_prec="low"), "muon_fp32_matmul_prec"),
     (dict(use_distributed_optimizer=False), "use_distributed_optimizer=True"),
     (dict(optimizer="lamb"), "optimizer must be one of"),
     (dict(dmuon_plan_cost="guess"), "dmuon_plan_cost"),
+    (dict(dmuon_ns_backend="cuda"), "dmuon_ns_backend 'cuda' is unknown"),
+    (dict(dmuon_overlap="maybe"), "dmuon_overlap 'maybe' is unknown; choose one of auto, on, off"),
+    (dict(dmuon_locality_slack=-0.5), "dmuon_locality_slack must be a finite number >= 0"),
+    (dict(dmuon_adam_params="(unclosed"), "dmuon_adam_params '\\(unclosed' is not a valid"),
     (dict(dmuon_zero3=True), "dmuon_zero3=True needs optimizer='dmuon' and dmuon_placement='matrix'"),
     (dict(dmuon_zero3=True, dmuon_placement="matrix", optimizer="muon_naive"), "dmuon_zero3"),
 ])
 def test_bad_config_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         cfg(**kwargs)
+
+
+def test_scalar_optimizer_other_than_adam_is_rejected():
+    from dataclasses import fields
+
+    from megatron_muon import DMuonOptimizerConfig
+
+    if "muon_scalar_optimizer" not in {f.name for f in fields(DMuonOptimizerConfig)}:
+        pytest.skip("megatron-core < 0.19 has no muon_scalar_optimizer")
+    with pytest.raises(ValueError, match="muon_scalar_optimizer='lion' is not supported"):
+        cfg(muon_scalar_optimizer="lion")
 
 
 def test_megatron_names_and_defaults():
@@ -66,6 +82,71 @@ def test_dmuon_without_distributed_optimizer_buffers_is_a_clear_error():
     assert "use_distributed_optimizer must be True" in msg
 
 
-def test_zero3_turns_the_overlap_off():
-    c = cfg(dmuon_zero3=True, dmuon_placement="matrix")
-    assert not (c.dmuon_overlap or c.dmuon_overlap_bucket_gather or c.dmuon_overlap_param_update)
+ZERO3 = dict(dmuon_zero3=True, dmuon_placement="matrix")
+
+
+def test_overlap_auto_is_on_except_under_zero3():
+    """'auto' resolves to on, and to off with ZeRO-3 (no data-parallel collective to hide);
+    the field keeps what was asked for, the optimizer reads ``overlap_enabled``."""
+    from megatron_muon.megatron.config import resolve_overlap
+
+    assert cfg().dmuon_overlap == "auto" and cfg().overlap_enabled
+    c = cfg(**ZERO3)
+    assert c.dmuon_overlap == "auto" and not c.overlap_enabled
+    assert not cfg(**ZERO3, dmuon_overlap="off").overlap_enabled
+    assert not cfg(dmuon_overlap="off").overlap_enabled and cfg(dmuon_overlap="on").overlap_enabled
+    # the former bool field: True / False are stored as 'on' / 'off'
+    assert cfg(dmuon_overlap=True).dmuon_overlap == "on"
+    off = cfg(dmuon_overlap=False)
+    assert off.dmuon_overlap == "off" and not off.overlap_enabled
+    # the refinements are kept as given (they only act while the overlap is on)
+    assert c.dmuon_overlap_bucket_gather and c.dmuon_overlap_param_update
+    assert [resolve_overlap(m, z) for m in ("auto", "on", "off") for z in (False, True)
+            if (m, z) != ("on", True)] == [True, False, True, False, False]
+
+
+@pytest.mark.parametrize("overlap", ["on", True])
+def test_overlap_on_with_zero3_is_an_error_not_a_silent_change(overlap):
+    with pytest.raises(ValueError, match="dmuon_overlap='on' does not work with dmuon_zero3=True"):
+        cfg(**ZERO3, dmuon_overlap=overlap)
+    c = cfg(**ZERO3)
+    c.dmuon_overlap = "on"  # changed after construction: the resolution still refuses it
+    with pytest.raises(ValueError, match="use 'auto' or 'off'"):
+        c.overlap_enabled
+
+
+def test_fp16_is_a_supported_precision():
+    """fp16 (with Megatron's loss scaler) trains with DMuon (tests/test_dmuon.py), so neither
+    the config nor the command line rejects it."""
+    import argparse
+
+    from megatron_muon.megatron.arguments import add_dmuon_args, validate_dmuon_args
+
+    assert cfg(fp16=True).fp16
+    p = argparse.ArgumentParser()
+    p.add_argument("--optimizer", default="dmuon")
+    p.add_argument("--use-distributed-optimizer", action="store_true")
+    p.add_argument("--fp16", action="store_true")
+    args = add_dmuon_args(p).parse_args(["--use-distributed-optimizer", "--fp16"])
+    assert args.fp16
+    assert validate_dmuon_args(args) is args
+
+
+def test_every_flag_field_carries_type_default_help_and_flag():
+    import dataclasses
+    from typing import Literal, get_origin
+
+    from megatron_muon.megatron.config import (DMuonOptimizerConfig, choices_of, cli_fields,
+                                               flag_of)
+
+    names = [f.name for f in cli_fields()]
+    own = [n for n in DMuonOptimizerConfig.__annotations__ if n.startswith(("muon_", "dmuon_"))]
+    assert names == own  # every Muon / DMuon field is a flag, in declaration order
+    for f in cli_fields():
+        assert f.default is not dataclasses.MISSING and f.metadata["help"].strip(), f.name
+        assert flag_of(f.name) == "--" + f.name.replace("_", "-")
+        assert "%" not in f.metadata["help"]  # argparse would try to format it
+        if get_origin(f.type) is Literal:
+            assert f.default in choices_of(f), f.name
+    assert choices_of(next(f for f in cli_fields() if f.name == "dmuon_overlap")) == (
+        "auto", "on", "off")

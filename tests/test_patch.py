@@ -155,7 +155,22 @@ if not hasattr(typing, "override"):  # Megatron-LM 0.19 imports typing.override 
     typing.override = typing_extensions.override
 """
 
-_PARSER_DRIVER = _SHIM + r"""
+# What a parser registered for each destination, as JSON (the subprocess drivers print it).
+_TABLE = r"""
+def actions_table(parser):
+    import argparse
+    rows = []
+    for a in parser._actions:
+        if not a.option_strings:
+            continue
+        default = "SUPPRESS" if a.default is argparse.SUPPRESS else a.default
+        rows.append({"dest": a.dest, "options": list(a.option_strings), "default": default,
+                     "help": a.help, "choices": list(a.choices) if a.choices else None,
+                     "const": getattr(a, "const", None), "kind": type(a).__name__})
+    return rows
+"""
+
+_PARSER_DRIVER = _SHIM + _TABLE + r"""
 import io, json, sys, contextlib
 import megatron.training.arguments as A
 import megatron.training.training as T
@@ -193,8 +208,17 @@ for name, extra in json.loads(sys.argv[2]).items():
                        "muon_nesterov": cfg.muon_nesterov, "plan": cfg.dmuon_plan_cost,
                        "clip_grad": cfg.clip_grad}
     results[name] = r
-groups = [g.title for g in A.add_megatron_arguments(__import__("argparse").ArgumentParser())._action_groups]
-results["_groups"] = groups
+full = A.add_megatron_arguments(__import__("argparse").ArgumentParser())
+results["_groups"] = [g.title for g in full._action_groups]
+results["_actions"] = [r for r in actions_table(full) if r["dest"].startswith(("muon_", "dmuon_"))]
+# The 'dmuon' section of --help (full.format_help() itself fails on Megatron-LM 0.19.2's
+# own help strings: one has an unescaped '%').
+fmt = full._get_formatter()
+(dmuon,) = [g for g in full._action_groups if g.title == "dmuon"]
+fmt.start_section(dmuon.title)
+fmt.add_arguments(dmuon._group_actions)
+fmt.end_section()
+results["_help"] = fmt.format_help()
 print("RESULTS " + json.dumps(results))
 """
 
@@ -265,6 +289,91 @@ def test_patched_parser_accepts_dmuon(parsed):
 def test_patched_parser_rejects_bad_values(parsed, case, status, message):
     assert parsed[case]["status"] == status, parsed[case]
     assert message in parsed[case]["message"], parsed[case]["message"]
+
+
+def _actions_table(parser):
+    scope: dict = {}
+    exec(_TABLE, scope)
+    return scope["actions_table"](parser)
+
+
+def _assert_flags_match_config(rows, *, prefixes=("muon_", "dmuon_"), defaults=None,
+                               help_text=None):
+    """Each config field's flag, as registered: name, default, help text, choices and
+    aliases all come from the field (``defaults``: a script's own documented overrides)."""
+    from megatron_muon.megatron.config import choices_of, cli_fields, flag_of
+
+    checked = []
+    for f in cli_fields():
+        if not f.name.startswith(prefixes):
+            continue
+        mine = [r for r in rows if r["dest"] == f.name]
+        main = [r for r in mine if r["options"][0] == flag_of(f.name)]
+        assert len(main) == 1, (f.name, mine)
+        row, meta = main[0], f.metadata
+        expected_default = (defaults or {}).get(f.name, f.default)
+        assert row["default"] == expected_default, (f.name, row["default"], expected_default)
+        assert row["help"] == meta["help"], f.name
+        aliases = meta.get("aliases") or {}
+        if f.type is bool:
+            assert row["kind"] == "_Switch"
+            assert row["options"] == [flag_of(f.name), "--no-" + flag_of(f.name)[2:],
+                                      *[a for a, v in aliases.items() if v is False]], row
+        else:
+            allowed = choices_of(f)
+            want = list(allowed) if allowed and meta.get("cli_choices", True) else None
+            assert row["choices"] == want, (f.name, row["choices"])
+            for alias, value in aliases.items():
+                (a,) = [r for r in mine if r["options"] == [alias]]
+                assert a["const"] == value and a["default"] == "SUPPRESS", a
+        assert len(mine) == 1 + (0 if f.type is bool else len(aliases)), mine
+        if help_text is not None:  # shown in --help (argparse re-wraps the text)
+            flat = "".join(help_text.split())
+            assert flag_of(f.name) in help_text and "".join(meta["help"].split()) in flat, f.name
+        checked.append(f.name)
+    assert checked
+    return checked
+
+
+def test_plain_parser_flags_are_generated_from_the_config():
+    p = _plain_parser()
+    names = _assert_flags_match_config(_actions_table(p), help_text=p.format_help())
+    assert "dmuon_overlap" in names and "muon_nesterov" in names
+    a = p.parse_args(["--no-muon-nesterov", "--muon-no-split-qkv", "--no-dmuon-overlap",
+                      "--dmuon-no-log-plan", "--no-dmuon-overlap-bucket-gather"])
+    assert (a.muon_nesterov, a.muon_split_qkv, a.dmuon_overlap, a.dmuon_log_plan,
+            a.dmuon_overlap_bucket_gather) == (False, False, "off", False, False)
+    a = p.parse_args(["--muon-nesterov", "--dmuon-overlap", "on", "--no-muon-split-qkv"])
+    assert (a.muon_nesterov, a.dmuon_overlap, a.muon_split_qkv) == (True, "on", False)
+
+
+def test_example_flags_are_generated_from_the_config():
+    """examples/pretrain_gpt.py: every --muon-* / --dmuon-* flag from the config (the
+    example's own Muon defaults documented in MUON_DEFAULTS), every flag with help text."""
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_flags", REPO / "examples" /
+                                                  "pretrain_gpt.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    p = example.build_parser()
+    rows = _actions_table(p)
+    _assert_flags_match_config(rows, defaults=example.MUON_DEFAULTS, help_text=p.format_help())
+    assert not [r["options"] for r in rows if not r["help"]]  # every flag says what it does
+    args = p.parse_args(["--no-muon-nesterov"])
+    assert args.muon_nesterov is False and p.parse_args([]).muon_nesterov is True
+
+
+@needs_training
+@pytest.mark.timeout(300)
+def test_patched_megatron_lm_dmuon_flags_are_generated_from_the_config(parsed):
+    """Megatron-LM's own parser, patched: the --dmuon-* flags come from the config, its own
+    --muon-* flags stay Megatron-LM's (registered once, Megatron's defaults)."""
+    rows = parsed["_actions"]
+    _assert_flags_match_config(rows, prefixes=("dmuon_",), help_text=parsed["_help"])
+    for dest in ("muon_momentum", "muon_nesterov", "muon_split_qkv", "muon_fp32_matmul_prec"):
+        (row,) = [r for r in rows if r["dest"] == dest]
+        assert row["kind"] != "_Switch", row  # Megatron-LM's, not re-registered
+    (prec,) = [r for r in rows if r["dest"] == "muon_fp32_matmul_prec"]
+    assert "highest" in prec["choices"]
 
 
 _NO_PACKAGE_DRIVER = _SHIM + r"""

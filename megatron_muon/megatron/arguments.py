@@ -1,5 +1,9 @@
 """Megatron-LM style command-line arguments for ``--optimizer dmuon`` / ``muon_naive``.
 
+The flags are generated from ``DMuonOptimizerConfig``'s fields (``megatron_muon.megatron.
+config``: type, default, help text and flag name live there, once), and the values are
+checked by the config's own validator, so the command line and the Python API agree.
+
 Three functions, meant to be used from Megatron-LM's ``arguments.py`` (see
 ``patches/megatron-lm-dmuon.patch``) or from any argparse-based script (the examples):
 
@@ -10,18 +14,23 @@ Three functions, meant to be used from Megatron-LM's ``arguments.py`` (see
   the same call works on Megatron-LM's parser and on a plain ``argparse.ArgumentParser``.
   If the parser already has ``--optimizer`` with a ``choices`` list, ``dmuon`` and
   ``muon_naive`` are appended to it; ``--muon-fp32-matmul-prec`` gains ``highest``.
-* ``validate_dmuon_args(args)`` checks the values with messages that name the flag
-  (``DMuonArgumentError``, a ``ValueError``); with ``parser=`` it calls ``parser.error``.
+  A ``bool`` field becomes a pair, ``--flag`` / ``--no-flag`` (``--muon-nesterov`` /
+  ``--no-muon-nesterov``); older spellings stay accepted (``--muon-no-split-qkv``,
+  ``--dmuon-no-log-plan``, ``--no-dmuon-overlap`` = ``--dmuon-overlap off``).
+* ``validate_dmuon_args(args)`` runs ``config.check_dmuon_settings`` with messages that
+  name the flag (``DMuonArgumentError``, a ``ValueError``); with ``parser=`` it calls
+  ``parser.error``.
 * ``dmuon_config_from_args(args, base_config=None)`` builds the ``DMuonOptimizerConfig``
   (from Megatron-LM's ``OptimizerConfig`` when given, so lr, weight decay, Adam betas,
   clipping and precision carry over unchanged).
 
 Flags that Megatron-LM 0.19.2 defines and this module reuses (defaults there differ from
 ``DMuonOptimizerConfig``'s where noted): ``--muon-momentum`` (0.9 in Megatron-LM),
-``--muon-nesterov``, ``--muon-num-ns-steps``, ``--muon-coefficient-type``,
-``--muon-scale-mode``, ``--muon-extra-scale-factor``, ``--muon-fp32-matmul-prec``
-(choices low/medium/high there), ``--muon-no-split-qkv``; ``--muon-tp-mode`` and
-``--muon-scalar-optimizer`` are Megatron's own (DMuon is always exact / TP-invariant and
+``--muon-nesterov`` (no ``--no-`` form there; its default is off),
+``--muon-num-ns-steps``, ``--muon-coefficient-type``, ``--muon-scale-mode``,
+``--muon-extra-scale-factor``, ``--muon-fp32-matmul-prec`` (choices low/medium/high
+there), ``--muon-no-split-qkv``; ``--muon-tp-mode`` and ``--muon-scalar-optimizer`` are
+Megatron's own (DMuon is exact / TP-invariant unless ``--dmuon-tp-mode blockwise``, and
 always uses AdamW for non-matrix parameters).  New here: every ``--dmuon-*`` flag.
 """
 
@@ -29,9 +38,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
-import re
-from typing import Any, Optional
+from typing import Any, Optional, get_args
+
+from .config import (MUON_OPTIMIZERS, DMuonOptimizerConfig, check_dmuon_settings, choices_of,
+                     cli_fields, config_defaults, flag_of)
 
 __all__ = [
     "add_dmuon_args",
@@ -42,127 +52,74 @@ __all__ = [
     "DMUON_ARGUMENTS",
 ]
 
-_MUON_OPTIMIZERS = ("dmuon", "muon_naive")
+_MUON_OPTIMIZERS = MUON_OPTIMIZERS
+
+#: The destinations of the generated flags (the config field names), Muon then DMuon.
+MUON_ARGUMENTS = tuple(f.name for f in cli_fields() if f.name.startswith("muon_"))
+DMUON_ARGUMENTS = tuple(f.name for f in cli_fields() if f.name.startswith("dmuon_"))
 
 
 class DMuonArgumentError(ValueError):
     """A bad ``--muon-*`` / ``--dmuon-*`` value; the message names the flag."""
 
 
-def _config_defaults() -> dict:
-    from .config import DMuonOptimizerConfig
+class _Switch(argparse.Action):
+    """A boolean flag with its negation: ``--x`` sets True, ``--no-x`` (and any other
+    ``off`` spelling) False.  ``--help`` lists the positive flag first, so its
+    ``(default: True)`` reads the right way round."""
 
-    return {f.name: f.default for f in dataclasses.fields(DMuonOptimizerConfig)
-            if f.default is not dataclasses.MISSING}
+    def __init__(self, option_strings, dest, off=(), default=None, help=None, **kwargs):
+        self.off = tuple(off)
+        super().__init__(option_strings=list(option_strings) + list(self.off), dest=dest,
+                         nargs=0, default=default, help=help, **kwargs)
 
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, option_string not in self.off)
 
-def _choices():
-    from ..newton_schulz import COEFFICIENT_SETS, SCALE_MODES
-    from .config import NS_PRECISIONS, PLACEMENTS
-
-    return sorted(COEFFICIENT_SETS), list(SCALE_MODES), list(NS_PRECISIONS), list(PLACEMENTS)
-
-
-# (dest, option string, argparse kwargs without default). Defaults come from
-# DMuonOptimizerConfig so the command line and the Python API agree.
-def _muon_arguments():
-    coeffs, scales, precs, _ = _choices()
-    return [
-        ("muon_momentum", "--muon-momentum",
-         dict(type=float, help="Muon momentum mu in [0, 1).")),
-        ("muon_nesterov", "--muon-nesterov",
-         dict(action="store_true", help="Nesterov momentum (U = G + mu M) for Muon.")),
-        ("muon_num_ns_steps", "--muon-num-ns-steps",
-         dict(type=int, help="Newton-Schulz iterations (>= 1).")),
-        ("muon_coefficient_type", "--muon-coefficient-type",
-         dict(type=str, help=f"Newton-Schulz coefficient set: {', '.join(coeffs)}.")),
-        ("muon_scale_mode", "--muon-scale-mode",
-         dict(type=str, choices=scales, help="Muon update scale: spectral = sqrt(max(m, n)), "
-              "shape_scaling = sqrt(max(1, m/n)), unit_rms_norm = sqrt(m/n).")),
-        ("muon_extra_scale_factor", "--muon-extra-scale-factor",
-         dict(type=float, help="Extra factor on the Muon update (0.2 with spectral "
-              "matches AdamW's update RMS, as Moonlight does).")),
-        ("muon_fp32_matmul_prec", "--muon-fp32-matmul-prec",
-         dict(type=str, choices=precs, help="Newton-Schulz precision: highest = fp32, "
-              "high = fp32 with TF32 matmuls (GPU), medium = bf16.")),
-        ("muon_split_qkv", "--muon-no-split-qkv",
-         dict(action="store_false", help="Orthogonalize the fused QKV matrix as one unit "
-              "instead of separate Q, K and V blocks.")),
-    ]
+    def format_usage(self) -> str:  # the usage line: [--x | --no-x]
+        return f"{self.option_strings[0]} | {self.off[0]}"
 
 
-def _dmuon_arguments():
-    _, _, _, placements = _choices()
-    return [
-        ("dmuon_split_fc1", "--dmuon-split-fc1",
-         dict(action="store_true", help="Orthogonalize a SwiGLU linear_fc1 as separate gate "
-              "and up units.")),
-        ("dmuon_adam_params", "--dmuon-adam-params",
-         dict(type=str, metavar="REGEX", help="Parameter names matching this regex go to AdamW "
-              "even if they are hidden 2-D matrices.")),
-        ("dmuon_plan_cost", "--dmuon-plan-cost",
-         dict(type=str, choices=["flops", "tuner"], help="Owner-plan cost model: flops "
-              "(k (2mns + s^3)) or tuner (measured Newton-Schulz times).")),
-        ("dmuon_tuner_cache", "--dmuon-tuner-cache",
-         dict(type=str, metavar="PATH", help="JSON cache of the Newton-Schulz kernel tuner.")),
-        ("dmuon_ns_backend", "--dmuon-ns-backend",
-         dict(type=str, choices=["auto", "torch", "triton"], help="Batched Newton-Schulz "
-              "implementation on the owners.")),
-        ("dmuon_locality_slack", "--dmuon-locality-slack",
-         dict(type=float, help="Owner plan: a unit goes to the rank holding most of it while "
-              "that rank stays within (1 + slack) x the mean Newton-Schulz load.")),
-        ("dmuon_log_plan", "--dmuon-no-log-plan",
-         dict(action="store_false", help="Do not log the owner plan at construction.")),
-        ("dmuon_check_finite", "--dmuon-check-finite",
-         dict(action="store_true", help="Raise a clear error if a Muon gradient is NaN/Inf.")),
-        ("dmuon_placement", "--dmuon-placement",
-         dict(type=str, choices=placements, help="Which ranks own the Muon units: dmuon "
-              "(anywhere in the stage's DP x TP group) or matrix (MatrixFSDP: whole matrices "
-              "per DP rank; build the model inside megatron_muon.megatron.matrix_placement).")),
-        ("dmuon_zero3", "--dmuon-zero3",
-         dict(action="store_true", help="With --dmuon-placement matrix: ZeRO-3, parameters "
-              "stored only on their owner DP rank, gathered bucket by bucket for forward and "
-              "backward (needs --overlap-grad-reduce; the bucket is the gather unit). Turns the "
-              "DMuon overlap off (the Muon step has no data-parallel collective).")),
-        ("dmuon_tp_mode", "--dmuon-tp-mode",
-         dict(type=str, choices=["exact", "blockwise"], help="exact: Newton-Schulz on whole "
-              "(TP-unsharded) units, TP-invariant; blockwise: on each TP rank's shard "
-              "separately (Megatron's muon_tp_mode=blockwise), NOT TP-invariant.")),
-        ("dmuon_overlap", "--no-dmuon-overlap",
-         dict(action="store_false", help="Run DMuon's owner work (gather, Newton-Schulz, "
-              "scatter) inside optimizer.step() instead of speculatively at the end of each "
-              "stage's backward pass (the speculation is exact: redone when clipping changed "
-              "the gradients).")),
-        ("dmuon_overlap_bucket_gather", "--no-dmuon-overlap-bucket-gather",
-         dict(action="store_false", help="Do not start a bucket's gather to the owners "
-              "during the backward pass, right after its gradient reduce-scatter.")),
-        ("dmuon_overlap_param_update", "--no-dmuon-overlap-param-update",
-         dict(action="store_false", help="Wait for DMuon's scatters and apply the update in "
-              "optimizer.step() instead of just before each bucket's param all-gather "
-              "(under the next forward pass with --overlap-param-gather).")),
-        ("dmuon_trace_dir", "--dmuon-trace-dir",
-         dict(type=str, metavar="DIR", help="Write a per-rank Chrome trace "
-              "(trace_rank<R>.json, Perfetto) of forward/backward, grad reduce-scatter, DMuon "
-              "gather/Newton-Schulz/scatter, param all-gather and optimizer step.")),
-    ]
+def flag_specs() -> list:
+    """``(dest, option strings, argparse kwargs)`` for every generated flag, in order; one
+    field can give several (its value aliases, e.g. ``--no-dmuon-overlap``)."""
+    specs = []
+    for f in cli_fields():
+        meta, flag = f.metadata, flag_of(f.name)
+        aliases = meta.get("aliases") or {}
+        if f.type is bool:
+            off = ["--no-" + flag[2:]] + [a for a, v in aliases.items() if v is False]
+            on = [flag] + [a for a, v in aliases.items() if v is True]
+            specs.append((f.name, on, dict(action=_Switch, off=off, default=f.default,
+                                           help=meta["help"])))
+            continue
+        choices = choices_of(f)
+        kwargs = dict(default=f.default, help=meta["help"])
+        if choices is not None:
+            kwargs["type"] = type(choices[0])
+            if meta.get("cli_choices", True):
+                kwargs["choices"] = list(choices)
+            else:
+                kwargs["metavar"] = "{" + ",".join(choices) + "}"
+        else:
+            kinds = [a for a in get_args(f.type) if a is not type(None)] or [f.type]
+            kwargs["type"] = kinds[0]
+        if meta.get("metavar"):
+            kwargs["metavar"] = meta["metavar"]
+        specs.append((f.name, [flag], kwargs))
+        for alias, value in aliases.items():
+            specs.append((f.name, [alias], dict(action="store_const", const=value,
+                                                default=argparse.SUPPRESS,
+                                                help=f"Same as {flag} {value}.")))
+    return specs
 
 
-MUON_ARGUMENTS = ("muon_momentum", "muon_nesterov", "muon_num_ns_steps",
-                  "muon_coefficient_type", "muon_scale_mode", "muon_extra_scale_factor",
-                  "muon_fp32_matmul_prec", "muon_split_qkv")
-DMUON_ARGUMENTS = ("dmuon_split_fc1", "dmuon_adam_params", "dmuon_plan_cost",
-                   "dmuon_tuner_cache", "dmuon_ns_backend", "dmuon_locality_slack",
-                   "dmuon_log_plan", "dmuon_check_finite", "dmuon_placement", "dmuon_zero3",
-                   "dmuon_tp_mode", "dmuon_overlap",
-                   "dmuon_overlap_bucket_gather", "dmuon_overlap_param_update",
-                   "dmuon_trace_dir")
-
-
-def _existing(parser: argparse.ArgumentParser, dest: str, option: str):
-    """The action already registered for ``option`` (or for ``dest``), else None."""
-    action = parser._option_string_actions.get(option)
-    if action is not None:
-        return action
+def _existing(parser: argparse.ArgumentParser, dest: str, options):
+    """The action already registered for one of ``options`` (or for ``dest``), else None."""
+    for option in options:
+        action = parser._option_string_actions.get(option)
+        if action is not None:
+            return action
     for action in parser._actions:
         if action.dest == dest and action.option_strings:
             return action
@@ -181,103 +138,47 @@ def add_dmuon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     Usable as Megatron-LM's ``extra_args_provider``: returns the parser.
     """
-    defaults = _config_defaults()
-    group = None
-    for dest, option, kwargs in _muon_arguments() + _dmuon_arguments():
-        action = _existing(parser, dest, option)
+    group = next((g for g in parser._action_groups if g.title == "dmuon"), None)
+    skipped, added = set(), set()  # skipped: Megatron-LM (or an earlier call) has the flag
+    for dest, options, kwargs in flag_specs():
+        options_all = options + list(kwargs.get("off", ()))
+        if dest in skipped:
+            continue
+        action = _existing(parser, dest if dest not in added else None, options_all)
         if action is not None:
             if dest == "muon_fp32_matmul_prec":
                 _extend_choices(action, ["highest"])  # Megatron-LM: low/medium/high
+            skipped.add(dest)
             continue
         if group is None:
             group = parser.add_argument_group(title="dmuon")
-        group.add_argument(option, dest=dest, default=defaults.get(dest), **kwargs)
+        group.add_argument(*options, dest=dest, **kwargs)
+        added.add(dest)
     if group is None:
         group = parser.add_argument_group(title="dmuon")  # keep the group visible in --help
     _extend_choices(parser._option_string_actions.get("--optimizer"), list(_MUON_OPTIMIZERS))
     return parser
 
 
-def _fail(msg: str, parser: Optional[argparse.ArgumentParser]):
-    if parser is not None:
-        parser.error(msg)  # prints usage + "error: msg", exits with code 2
-    raise DMuonArgumentError(msg)
-
-
 def validate_dmuon_args(args: Any, parser: Optional[argparse.ArgumentParser] = None) -> Any:
     """Check the Muon / DMuon values of ``args`` when ``args.optimizer`` is dmuon/muon_naive.
 
-    Raises ``DMuonArgumentError`` (or calls ``parser.error``) with a message naming the flag.
+    The checks are ``DMuonOptimizerConfig``'s (``config.check_dmuon_settings``), plus what
+    only the command line knows (Megatron-LM's ``--overlap-grad-reduce``,
+    ``--context-parallel-size``, ...).  Raises ``DMuonArgumentError`` (or calls
+    ``parser.error``: usage + ``error: msg``, exit code 2) with a message naming the flag.
     Returns ``args`` unchanged otherwise.
     """
-    optimizer = getattr(args, "optimizer", None)
-    if optimizer not in _MUON_OPTIMIZERS:
+    if getattr(args, "optimizer", None) not in _MUON_OPTIMIZERS:
         return args
-    coeffs, scales, precs, placements = _choices()
-    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
-
-    momentum = get("muon_momentum", 0.95)
-    if not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
-        _fail(f"--muon-momentum must be in [0, 1), got {momentum}", parser)
-    steps = get("muon_num_ns_steps", 5)
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        _fail(f"--muon-num-ns-steps must be an integer >= 1, got {steps}", parser)
-    coeff = get("muon_coefficient_type", "quintic")
-    if coeff not in coeffs:
-        _fail(f"--muon-coefficient-type {coeff!r} is unknown to {optimizer}; "
-              f"choose one of {', '.join(coeffs)}", parser)
-    scale = get("muon_scale_mode", "spectral")
-    if scale not in scales:
-        _fail(f"--muon-scale-mode {scale!r} is unknown; choose one of {', '.join(scales)}", parser)
-    factor = get("muon_extra_scale_factor", 1.0)
-    if not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
-        _fail(f"--muon-extra-scale-factor must be a finite number > 0, got {factor}", parser)
-    prec = get("muon_fp32_matmul_prec", "medium")
-    if prec not in precs:
-        _fail(f"--muon-fp32-matmul-prec {prec!r} is not supported by {optimizer}; "
-              f"choose one of {', '.join(precs)}", parser)
-    if get("use_distributed_optimizer") is False:
-        _fail(f"--optimizer {optimizer} needs --use-distributed-optimizer (it replaces the "
-              "distributed optimizer's inner step)", parser)
-    if get("use_torch_fsdp2") or get("use_megatron_fsdp") or get("use_custom_fsdp"):
-        _fail(f"--optimizer {optimizer} runs on Megatron DDP with the distributed optimizer; "
-              "it does not support --use-torch-fsdp2 / --use-megatron-fsdp", parser)
-    scalar = get("muon_scalar_optimizer", "adam")
-    if scalar not in (None, "adam"):
-        _fail(f"--optimizer {optimizer} uses AdamW for non-matrix parameters; "
-              f"--muon-scalar-optimizer {scalar} is not supported", parser)
-    if (get("context_parallel_size", 1) or 1) > 1:
-        _fail(f"--optimizer {optimizer} does not support --context-parallel-size > 1 yet", parser)
-    if get("fp16"):
-        _fail(f"--optimizer {optimizer} supports fp32 and --bf16 training; not --fp16", parser)
-    slack = get("dmuon_locality_slack", 0.0)
-    if not isinstance(slack, (int, float)) or not math.isfinite(slack) or slack < 0:
-        _fail(f"--dmuon-locality-slack must be a finite number >= 0, got {slack}", parser)
-    regex = get("dmuon_adam_params")
-    if regex is not None:
-        try:
-            re.compile(regex)
-        except re.error as err:
-            _fail(f"--dmuon-adam-params {regex!r} is not a valid regular expression: {err}", parser)
-    for dest, flag, allowed in (("dmuon_plan_cost", "--dmuon-plan-cost", ("flops", "tuner")),
-                                ("dmuon_ns_backend", "--dmuon-ns-backend",
-                                 ("auto", "torch", "triton")),
-                                ("dmuon_placement", "--dmuon-placement", tuple(placements))):
-        value = get(dest, allowed[0])
-        if value not in allowed:
-            _fail(f"{flag} {value!r} is unknown; choose one of {', '.join(allowed)}", parser)
-    if get("dmuon_zero3"):
-        if optimizer != "dmuon" or get("dmuon_placement", "dmuon") != "matrix":
-            _fail("--dmuon-zero3 needs --optimizer dmuon --dmuon-placement matrix", parser)
-        if get("overlap_grad_reduce") is False:
-            _fail("--dmuon-zero3 reduces gradients bucket by bucket in the backward: add "
-                  "--overlap-grad-reduce", parser)
-        if (get("num_experts") or 0) > 0:
-            _fail("--dmuon-zero3 supports dense models only (no --num-experts)", parser)
-        for flag in ("log_params_norm", "async_save"):  # read every parameter off the hooks
-            if get(flag):
-                _fail(f"--dmuon-zero3 does not support --{flag.replace('_', '-')} yet (it reads "
-                      "parameters a ZeRO-3 rank does not hold)", parser)
+    defaults = config_defaults()  # a hand-made namespace may lack some flags
+    try:
+        check_dmuon_settings(lambda name: getattr(args, name, defaults.get(name)), cli=True,
+                             error=DMuonArgumentError)
+    except DMuonArgumentError as err:
+        if parser is not None:
+            parser.error(str(err))
+        raise
     return args
 
 
@@ -288,8 +189,6 @@ def dmuon_config_from_args(args: Any, base_config: Any = None):
     field of it is kept; the Muon and DMuon fields and ``optimizer`` come from ``args``.
     Without it, every ``DMuonOptimizerConfig`` field that ``args`` has is taken from ``args``.
     """
-    from .config import DMuonOptimizerConfig
-
     init_fields = {f.name for f in dataclasses.fields(DMuonOptimizerConfig) if f.init}
     kwargs: dict = {}
     if base_config is not None:

@@ -1,25 +1,71 @@
-"""``DMuonOptimizerConfig``: Megatron-Core's ``OptimizerConfig`` plus the DMuon fields.
+"""``DMuonOptimizerConfig``: Megatron-Core's ``OptimizerConfig`` plus the Muon and DMuon fields.
+
+This module is the one source of truth for those settings.  Each ``muon_*`` / ``dmuon_*``
+field carries its type (a ``Literal`` for a fixed set of choices), its default, its help
+text and its command-line flag (``field(metadata=...)``, see ``setting``);
+``megatron_muon.megatron.arguments`` generates the ``--muon-*`` / ``--dmuon-*`` flags from
+them.  ``check_dmuon_settings`` is the one validator: ``__post_init__`` calls it with the
+field names, ``arguments.validate_dmuon_args`` (the examples, the patched Megatron-LM)
+with the flag names, so both reject the same values with the same reasons.  Incompatible
+settings raise; nothing is silently changed.
 
 Muon fields carry Megatron-Core 0.19's names (``muon_momentum``, ``muon_nesterov``, ...).
 On 0.16.1, whose config calls Nesterov ``muon_use_nesterov``, both names are accepted.
+
+``dmuon_overlap`` is ``'auto'``, ``'on'`` or ``'off'`` (``True`` / ``False`` are accepted
+and stored as ``'on'`` / ``'off'``).  ``'auto'`` means on, except with ZeRO-3
+(``dmuon_zero3``), where the Muon step has no data-parallel collective to hide and it
+resolves to off; ``'on'`` with ZeRO-3 is an error.  Code reads the resolved value,
+``config.overlap_enabled`` (or ``resolve_overlap``), never the field itself.
 """
 
-from __future__ import annotations
-
-from dataclasses import dataclass, fields
-from typing import Optional
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Literal, Optional, get_args, get_origin
 
 from megatron.core.optimizer import OptimizerConfig
 
-from ..muon import check_muon_hyperparameters
+from ..newton_schulz import COEFFICIENT_SETS, SCALE_MODES, resolve_coefficients
 
-__all__ = ["DMuonOptimizerConfig", "MUON_OPTIMIZERS", "NS_PRECISIONS"]
+__all__ = ["DMuonOptimizerConfig", "MUON_OPTIMIZERS", "NS_PRECISIONS", "PLACEMENTS", "TP_MODES",
+           "OVERLAP_MODES", "setting", "cli_fields", "flag_of", "choices_of", "resolve_overlap",
+           "check_dmuon_settings"]
 
-MUON_OPTIMIZERS = ("dmuon", "muon_naive")
-NS_PRECISIONS = ("highest", "high", "medium")
-PLACEMENTS = ("dmuon", "matrix")
-TP_MODES = ("exact", "blockwise")
+MuonOptimizer = Literal["dmuon", "muon_naive"]
+# The names come from newton_schulz (the maths owns the tables); Literal takes a tuple.
+CoefficientType = Literal[tuple(COEFFICIENT_SETS)]
+ScaleMode = Literal[SCALE_MODES]
+NSPrecision = Literal["highest", "high", "medium"]
+PlanCost = Literal["flops", "tuner"]
+NSBackend = Literal["auto", "torch", "triton"]
+Placement = Literal["dmuon", "matrix"]
+TPMode = Literal["exact", "blockwise"]
+OverlapMode = Literal["auto", "on", "off"]
+
+MUON_OPTIMIZERS = get_args(MuonOptimizer)
+OPTIMIZERS = MUON_OPTIMIZERS + ("adam", "sgd")
+NS_PRECISIONS = get_args(NSPrecision)
+PLACEMENTS = get_args(Placement)
+TP_MODES = get_args(TPMode)
+OVERLAP_MODES = get_args(OverlapMode)
 _BASE_FIELDS = {f.name for f in fields(OptimizerConfig)}
+
+
+def setting(default: Any, help: str, *, flag: Optional[str] = None, metavar: Optional[str] = None,
+            aliases: Optional[dict] = None, cli_choices: bool = True):
+    """A config field that is also a command-line flag.
+
+    ``flag``: the option (default ``--`` + the field name with dashes); a ``bool`` field
+    gets the pair ``--flag`` / ``--no-flag``.  ``aliases``: extra options that set a fixed
+    value (``{'--no-dmuon-overlap': 'off'}``), e.g. Megatron-LM's spellings.
+    ``cli_choices=False``: the parser takes any string and the validator names the choices
+    (as Megatron-LM's own flag does, so the message is the same under both parsers).
+    """
+    meta = {"help": help, "flag": flag, "metavar": metavar, "aliases": dict(aliases or {}),
+            "cli_choices": cli_choices}
+    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -27,101 +73,291 @@ class DMuonOptimizerConfig(OptimizerConfig):
     """Optimizer config for ``optimizer='dmuon'`` (owner-centric Muon) and ``'muon_naive'``.
 
     Everything not listed here is Megatron-Core's ``OptimizerConfig`` (lr, weight_decay,
-    clip_grad, bf16, use_distributed_optimizer, adam_* for the AdamW part, ...).
+    clip_grad, bf16, fp16, use_distributed_optimizer, adam_* for the AdamW part, ...).
+    The help text of each field is in its metadata (``setting``); ``--help`` shows it.
     """
 
     optimizer: str = "dmuon"
 
     # --- Muon maths (Megatron-Core 0.19 names and defaults) ---
-    muon_momentum: float = 0.95
-    muon_nesterov: bool = False
-    muon_num_ns_steps: int = 5
-    muon_coefficient_type: str = "quintic"
-    muon_scale_mode: str = "spectral"
-    muon_extra_scale_factor: float = 1.0
-    muon_split_qkv: bool = True
-    muon_fp32_matmul_prec: str = "medium"
-    """'highest': fp32 NS; 'high': fp32 with TF32 matmuls (GPU); 'medium': bf16 NS."""
+    muon_momentum: float = setting(0.95, "Muon momentum mu in [0, 1).")
+    muon_nesterov: bool = setting(False, "Nesterov momentum (U = G + mu M) for Muon.")
+    muon_num_ns_steps: int = setting(5, "Newton-Schulz iterations (>= 1).")
+    # The Python API also takes explicit (a, b, c) triples here (see newton_schulz).
+    muon_coefficient_type: CoefficientType = setting(
+        "quintic", f"Newton-Schulz coefficient set: {', '.join(sorted(COEFFICIENT_SETS))}.",
+        cli_choices=False)
+    muon_scale_mode: ScaleMode = setting(
+        "spectral", "Muon update scale: spectral = sqrt(max(m, n)), shape_scaling = "
+        "sqrt(max(1, m/n)), unit_rms_norm = sqrt(m/n).")
+    muon_extra_scale_factor: float = setting(
+        1.0, "Extra factor on the Muon update (0.2 with spectral matches AdamW's update RMS, "
+        "as Moonlight does).")
+    muon_split_qkv: bool = setting(
+        True, "Orthogonalize the fused QKV matrix as separate Q, K and V blocks "
+        "(--no-muon-split-qkv or Megatron-LM's --muon-no-split-qkv: as one unit).",
+        aliases={"--muon-no-split-qkv": False})
+    muon_fp32_matmul_prec: NSPrecision = setting(
+        "medium", "Newton-Schulz precision: highest = fp32, high = fp32 with TF32 matmuls "
+        "(GPU), medium = bf16.")
 
     # --- DMuon ---
-    dmuon_split_fc1: bool = False
-    """Orthogonalise a SwiGLU linear_fc1 as separate gate and up units."""
-    dmuon_adam_params: Optional[str] = None
-    """Regex of extra parameter names that go to AdamW even if they are hidden 2-D matrices."""
-    dmuon_plan_cost: str = "flops"
-    """Owner-plan cost model: 'flops' (k (2 m n s + s^3)) or 'tuner' (measured NS times)."""
-    dmuon_tuner_cache: Optional[str] = None
-    dmuon_ns_backend: str = "auto"
-    """'auto' (tuner if dmuon_plan_cost == 'tuner', else torch batched), 'torch', 'triton'."""
-    dmuon_locality_slack: float = 0.03
-    """Owner plan: a unit goes to the rank holding most of it if that keeps the rank within
-    (1 + slack) x the mean NS load; 0 still prefers local owners among equally loaded ranks."""
-    dmuon_log_plan: bool = True
-    dmuon_check_finite: bool = False
-    """Raise a clear error if a Muon gradient is NaN/Inf (costs one reduction per step)."""
-    dmuon_placement: str = "dmuon"
-    """'dmuon': owners anywhere in the stage's DP x TP group, Megatron's even buffer shards;
-    'matrix': MatrixFSDP placement, every unit whole on one DP rank (build the DDP model
-    inside ``megatron_muon.megatron.matrix_placement``): no DP bytes in the Muon step."""
-    dmuon_zero3: bool = False
-    """With dmuon_placement='matrix': ZeRO-3, the parameters themselves sharded whole: each
-    parameter is stored only on its owner, gathered bucket by bucket for forward and
-    backward, gradients reduce-scattered per bucket and microbatch
-    (``megatron_muon.megatron.zero3``; DDP needs overlap_grad_reduce=True)."""
+    dmuon_split_fc1: bool = setting(
+        False, "Orthogonalize a SwiGLU linear_fc1 as separate gate and up units.")
+    dmuon_adam_params: Optional[str] = setting(
+        None, "Parameter names matching this regex go to AdamW even if they are hidden 2-D "
+        "matrices.", metavar="REGEX")
+    dmuon_plan_cost: PlanCost = setting(
+        "flops", "Owner-plan cost model: flops (k (2mns + s^3)) or tuner (measured "
+        "Newton-Schulz times).")
+    dmuon_tuner_cache: Optional[str] = setting(
+        None, "JSON cache of the Newton-Schulz kernel tuner.", metavar="PATH")
+    dmuon_ns_backend: NSBackend = setting(
+        "auto", "Batched Newton-Schulz implementation on the owners: auto (the tuner's choice "
+        "with --dmuon-plan-cost tuner, else torch), torch or triton.")
+    dmuon_locality_slack: float = setting(
+        0.03, "Owner plan: a unit goes to the rank holding most of it while that rank stays "
+        "within (1 + slack) x the mean Newton-Schulz load; 0 still prefers local owners among "
+        "equally loaded ranks.")
+    dmuon_log_plan: bool = setting(
+        True, "Log the owner plan when the optimizer is built.",
+        aliases={"--dmuon-no-log-plan": False})
+    dmuon_check_finite: bool = setting(
+        False, "Raise a clear error if a Muon gradient is NaN/Inf (one reduction per step).")
+    dmuon_placement: Placement = setting(
+        "dmuon", "Which ranks own the Muon units: dmuon (anywhere in the stage's DP x TP "
+        "group, Megatron's even buffer shards) or matrix (MatrixFSDP: every unit whole on one "
+        "DP rank, no data-parallel bytes in the Muon step; build the model inside "
+        "megatron_muon.megatron.matrix_placement).")
+    dmuon_zero3: bool = setting(
+        False, "With --dmuon-placement matrix: ZeRO-3, each parameter stored only on its "
+        "owner DP rank, gathered bucket by bucket for forward and backward, gradients "
+        "reduce-scattered per bucket (needs --overlap-grad-reduce; the bucket is the gather "
+        "unit). --dmuon-overlap auto is off with it.")
+    dmuon_tp_mode: TPMode = setting(
+        "exact", "exact: Newton-Schulz on whole (TP-unsharded) units, TP-invariant; "
+        "blockwise: on each TP rank's shard separately (Megatron's muon_tp_mode=blockwise), "
+        "NOT TP-invariant (the update changes with the TP size).")
 
-    dmuon_tp_mode: str = "exact"
-    """'exact': NS on whole (TP-unsharded) units, TP-invariant; 'blockwise': NS on each TP
-    rank's shard of a unit separately, as Megatron's muon_tp_mode='blockwise'. NOT
-    TP-invariant (the update changes with the TP size); explicit opt-in, no TP exchange."""
-
-    # --- DMuon overlap (docs/design.md#overlap); exact: a bitwise check decides ---
-    dmuon_overlap: bool = True
-    """Run the owner work (gather, NS, scatter launch) speculatively at the end of each
-    stage's backward pass (inside the pipeline cool-down) instead of in optimizer.step();
-    the step uses it only if its gradients are bit-identical (no clipping), else redoes it."""
-    dmuon_overlap_bucket_gather: bool = True
-    """With dmuon_overlap: start each bucket's gather to the owners as soon as that bucket's
-    gradient reduce-scatter is done, while the backward pass goes on."""
-    dmuon_overlap_param_update: bool = True
-    """With dmuon_overlap: optimizer.step() does not wait for the scatters; each bucket's
-    scatter and update finish just before its param all-gather (under the next forward
-    pass with Megatron's overlap_param_gather)."""
-    dmuon_trace_dir: Optional[str] = None
-    """Write a per-rank Chrome trace (trace_rank<R>.json, Perfetto) of forward/backward,
-    grad reduce-scatter, DMuon gather/NS/scatter, param gather and optimizer step."""
+    # --- DMuon overlap (docs/design.md, "Overlap"); exact: a bitwise check decides ---
+    dmuon_overlap: OverlapMode = setting(
+        "auto", "Run DMuon's owner work (gather, Newton-Schulz, scatter launch) "
+        "speculatively at the end of each stage's backward pass instead of in "
+        "optimizer.step(); the step uses it only if its gradients are bit-identical (no "
+        "clipping), else redoes it. auto: on, except with --dmuon-zero3 (off: the Muon step "
+        "has no data-parallel collective to hide); on with --dmuon-zero3 is an error.",
+        aliases={"--no-dmuon-overlap": "off"})
+    dmuon_overlap_bucket_gather: bool = setting(
+        True, "With the overlap on: start each bucket's gather to the owners right after "
+        "its gradient reduce-scatter, while the backward pass goes on.")
+    dmuon_overlap_param_update: bool = setting(
+        True, "With the overlap on: optimizer.step() does not wait for DMuon's scatters; "
+        "each bucket's scatter and update finish just before its param all-gather (under the "
+        "next forward pass with --overlap-param-gather).")
+    dmuon_trace_dir: Optional[str] = setting(
+        None, "Write a per-rank Chrome trace (trace_rank<R>.json, Perfetto) of "
+        "forward/backward, grad reduce-scatter, DMuon gather/Newton-Schulz/scatter, param "
+        "all-gather and optimizer step.", metavar="DIR")
 
     def __post_init__(self):
         if "muon_use_nesterov" in _BASE_FIELDS and getattr(self, "muon_use_nesterov", False):
             self.muon_nesterov = True  # 0.16.1 spelling
+        if isinstance(self.dmuon_overlap, bool):  # the former bool field: True/False = on/off
+            self.dmuon_overlap = "on" if self.dmuon_overlap else "off"
         super().__post_init__()
-        if self.optimizer not in MUON_OPTIMIZERS + ("adam", "sgd"):
-            raise ValueError(
-                f"DMuonOptimizerConfig.optimizer must be one of {MUON_OPTIMIZERS + ('adam', 'sgd')}, "
-                f"got {self.optimizer!r}")
-        check_muon_hyperparameters(momentum=self.muon_momentum, ns_steps=self.muon_num_ns_steps,
-                                   coefficient_type=self.muon_coefficient_type,
-                                   scale_mode=self.muon_scale_mode)
-        if self.muon_fp32_matmul_prec not in NS_PRECISIONS:
-            raise ValueError(f"muon_fp32_matmul_prec must be one of {NS_PRECISIONS}, "
-                             f"got {self.muon_fp32_matmul_prec!r}")
-        if self.dmuon_plan_cost not in ("flops", "tuner"):
-            raise ValueError(f"dmuon_plan_cost must be 'flops' or 'tuner', got {self.dmuon_plan_cost!r}")
-        if self.dmuon_ns_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"dmuon_ns_backend must be 'auto', 'torch' or 'triton', "
-                             f"got {self.dmuon_ns_backend!r}")
-        if self.dmuon_tp_mode not in TP_MODES:
-            raise ValueError(f"dmuon_tp_mode must be one of {TP_MODES}, got {self.dmuon_tp_mode!r}")
-        if self.dmuon_placement not in PLACEMENTS:
-            raise ValueError(f"dmuon_placement must be one of {PLACEMENTS}, got {self.dmuon_placement!r}")
-        if self.dmuon_zero3 and (self.dmuon_placement != "matrix" or self.optimizer != "dmuon"):
-            raise ValueError("dmuon_zero3=True needs optimizer='dmuon' and "
-                             f"dmuon_placement='matrix' (got {self.optimizer!r}, "
-                             f"{self.dmuon_placement!r})")
-        if self.dmuon_zero3:  # the Muon step has no DP collective left to hide
-            self.dmuon_overlap = False
-        if not self.dmuon_overlap:  # the refinements need the speculative owner work
-            self.dmuon_overlap_bucket_gather = self.dmuon_overlap_param_update = False
-        if self.optimizer in MUON_OPTIMIZERS and not self.use_distributed_optimizer:
-            raise ValueError(
-                f"optimizer={self.optimizer!r} is a distributed optimizer: set "
-                "use_distributed_optimizer=True (--use-distributed-optimizer)")
+        check_dmuon_settings(lambda name: getattr(self, name, None), cli=False)
+
+    @property
+    def overlap_enabled(self) -> bool:
+        """``dmuon_overlap`` resolved: what the optimizer does (see ``resolve_overlap``)."""
+        return resolve_overlap(self.dmuon_overlap, self.dmuon_zero3)
+
+
+# --------------------------------------------------------------------------- the flag table
+def cli_fields() -> list:
+    """The ``muon_*`` / ``dmuon_*`` fields that are command-line flags, in the order this
+    class declares them (``fields()`` keeps the base class's order for redeclared names)."""
+    by_name = {f.name: f for f in fields(DMuonOptimizerConfig) if "help" in f.metadata}
+    return [by_name[n] for n in DMuonOptimizerConfig.__annotations__ if n in by_name]
+
+
+def _field(name: str):
+    for f in fields(DMuonOptimizerConfig):
+        if f.name == name:
+            return f
+    return None
+
+
+def flag_of(name: str) -> str:
+    """The command-line option of a config field (or of a Megatron-LM argument ``name``)."""
+    f = _field(name)
+    flag = f.metadata.get("flag") if f is not None else None
+    return flag or "--" + name.replace("_", "-")
+
+
+def choices_of(f) -> Optional[tuple]:
+    """The allowed values of a ``Literal`` field (``Optional[Literal]`` too), else None."""
+    tp = f.type
+    if get_origin(tp) is not Literal:
+        args = [a for a in get_args(tp) if a is not type(None)]
+        tp = args[0] if len(args) == 1 else None
+    return get_args(tp) if get_origin(tp) is Literal else None
+
+
+def resolve_overlap(overlap: Any, zero3: bool) -> bool:
+    """Whether the DMuon overlap runs: ``'auto'`` is on except with ZeRO-3; bools accepted.
+
+    ``'on'`` with ZeRO-3 is rejected (``check_dmuon_settings`` already does at construction;
+    this catches a field changed afterwards).
+    """
+    mode = _overlap_mode(overlap)
+    if mode not in OVERLAP_MODES:
+        raise ValueError(f"dmuon_overlap must be one of {', '.join(OVERLAP_MODES)}, "
+                         f"got {overlap!r}")
+    if mode == "on" and zero3:
+        raise ValueError("dmuon_overlap='on' does not work with dmuon_zero3=True (ZeRO-3's Muon "
+                         "step has no data-parallel collective to hide): use 'auto' or 'off'")
+    return mode == "on" or (mode == "auto" and not zero3)
+
+
+def _overlap_mode(value: Any) -> Any:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return value
+
+
+# --------------------------------------------------------------------------- the validator
+class _Spelling:
+    """Names settings in messages: config fields (``dmuon_zero3=True``) or flags
+    (``--dmuon-zero3``)."""
+
+    def __init__(self, cli: bool):
+        self.cli = cli
+
+    def name(self, key: str) -> str:
+        return flag_of(key) if self.cli else key
+
+    def set(self, key: str, value: Any) -> str:
+        if not self.cli:
+            return f"{key}={value!r}"
+        flag = flag_of(key)
+        if value is True:
+            return flag
+        if value is False:
+            return "--no-" + flag[2:]
+        return f"{flag} {value}"
+
+    def both(self, *pairs) -> str:
+        return (" " if self.cli else " and ").join(self.set(k, v) for k, v in pairs)
+
+
+def check_dmuon_settings(get: Callable[[str], Any], *, cli: bool,
+                         error: type = ValueError) -> None:
+    """The one validator of the Muon / DMuon settings.
+
+    ``get(name)``: the value of a config field or Megatron-LM argument (None when it has
+    none); ``cli``: name settings by their flags (``--muon-momentum``) instead of their
+    field names.  Raises ``error`` with a message that names the setting and the fix.
+    ``DMuonOptimizerConfig.__post_init__`` calls it for every optimizer;
+    ``arguments.validate_dmuon_args`` for dmuon / muon_naive.
+    """
+    s = _Spelling(cli)
+    N = s.name
+
+    def fail(msg: str):
+        raise error(msg)
+
+    optimizer = get("optimizer")
+    if optimizer not in OPTIMIZERS:
+        fail(f"{N('optimizer')} must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+
+    # --- Muon maths ---
+    momentum = get("muon_momentum")
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or \
+            not 0.0 <= momentum < 1.0:
+        fail(f"{N('muon_momentum')} must be in [0, 1), got {momentum}")
+    steps = get("muon_num_ns_steps")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        fail(f"{N('muon_num_ns_steps')} must be an integer >= 1, got {steps}")
+    coeff = get("muon_coefficient_type")
+    if isinstance(coeff, str):
+        if coeff not in COEFFICIENT_SETS:
+            fail(f"{N('muon_coefficient_type')} {coeff!r} is unknown to {optimizer}; "
+                 f"choose one of {', '.join(sorted(COEFFICIENT_SETS))}")
+    else:  # the Python API also takes explicit (a, b, c) triples
+        try:
+            resolve_coefficients(coeff, steps)
+        except (TypeError, ValueError) as err:
+            fail(f"{N('muon_coefficient_type')}: {err}")
+    factor = get("muon_extra_scale_factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or \
+            not math.isfinite(factor) or factor <= 0:
+        fail(f"{N('muon_extra_scale_factor')} must be a finite number > 0, got {factor}")
+    prec = get("muon_fp32_matmul_prec")
+    if prec not in NS_PRECISIONS:
+        fail(f"{N('muon_fp32_matmul_prec')} {prec!r} is not supported by {optimizer}; "
+             f"choose one of {', '.join(NS_PRECISIONS)}")
+    for f in cli_fields():  # every other fixed-choice setting
+        allowed = choices_of(f)
+        if allowed is None or f.name in ("muon_coefficient_type", "muon_fp32_matmul_prec"):
+            continue
+        value = get(f.name)
+        if f.name == "dmuon_overlap":
+            value = _overlap_mode(value)
+        if value not in allowed:
+            fail(f"{N(f.name)} {value!r} is unknown; choose one of {', '.join(allowed)}")
+
+    # --- DMuon ---
+    slack = get("dmuon_locality_slack")
+    if isinstance(slack, bool) or not isinstance(slack, (int, float)) or \
+            not math.isfinite(slack) or slack < 0:
+        fail(f"{N('dmuon_locality_slack')} must be a finite number >= 0, got {slack}")
+    regex = get("dmuon_adam_params")
+    if regex is not None:
+        try:
+            re.compile(regex)
+        except (re.error, TypeError) as err:
+            fail(f"{N('dmuon_adam_params')} {regex!r} is not a valid regular expression: {err}")
+    if get("dmuon_zero3"):
+        if optimizer != "dmuon" or get("dmuon_placement") != "matrix":
+            got = s.both(("optimizer", optimizer), ("dmuon_placement", get("dmuon_placement")))
+            fail(f"{s.set('dmuon_zero3', True)} needs "
+                 f"{s.both(('optimizer', 'dmuon'), ('dmuon_placement', 'matrix'))} (got {got})")
+        if _overlap_mode(get("dmuon_overlap")) == "on":
+            fail(f"{s.set('dmuon_overlap', 'on')} does not work with "
+                 f"{s.set('dmuon_zero3', True)}: ZeRO-3's Muon step has no data-parallel "
+                 f"collective to hide; use {s.set('dmuon_overlap', 'auto')} (off with ZeRO-3) "
+                 f"or {s.set('dmuon_overlap', 'off')}")
+        if get("overlap_grad_reduce") is False:
+            fail(f"{s.set('dmuon_zero3', True)} reduces gradients bucket by bucket in the "
+                 f"backward: add {s.set('overlap_grad_reduce', True)}")
+        if (get("num_experts") or 0) > 0:
+            fail(f"{s.set('dmuon_zero3', True)} supports dense models only "
+                 f"(no {N('num_experts')})")
+        for key in ("log_params_norm", "async_save"):  # read every parameter off the hooks
+            if get(key):
+                fail(f"{s.set('dmuon_zero3', True)} does not support {N(key)} yet (it reads "
+                     "parameters a ZeRO-3 rank does not hold)")
+
+    # --- what a Muon optimizer needs from the rest of the setup ---
+    if optimizer not in MUON_OPTIMIZERS:
+        return
+    if get("use_distributed_optimizer") is False:
+        fail(f"{s.set('optimizer', optimizer)} needs {s.set('use_distributed_optimizer', True)} "
+             "(it replaces the distributed optimizer's inner step)")
+    if get("use_torch_fsdp2") or get("use_megatron_fsdp") or get("use_custom_fsdp"):
+        fail(f"{s.set('optimizer', optimizer)} runs on Megatron DDP with the distributed "
+             f"optimizer; it does not support {N('use_torch_fsdp2')} / {N('use_megatron_fsdp')}")
+    scalar = get("muon_scalar_optimizer")
+    if scalar not in (None, "adam"):
+        fail(f"{s.set('optimizer', optimizer)} uses AdamW for non-matrix parameters; "
+             f"{s.set('muon_scalar_optimizer', scalar)} is not supported")
+    if (get("context_parallel_size") or 1) > 1:
+        fail(f"{s.set('optimizer', optimizer)} does not support "
+             f"{N('context_parallel_size')} > 1 yet")
+
+
+def config_defaults() -> dict:
+    """Field name -> default of every ``DMuonOptimizerConfig`` field that has one."""
+    return {f.name: f.default for f in fields(DMuonOptimizerConfig)
+            if f.default is not dataclasses.MISSING}

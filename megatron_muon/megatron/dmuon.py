@@ -319,7 +319,7 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
             groups, self._build_engine, momentum=muon_config.muon_momentum,
             nesterov=muon_config.muon_nesterov, check_finite=muon_config.dmuon_check_finite)
         self.init_state_fn = lambda opt, config=None: opt.init_state()
-        if muon_config.dmuon_overlap:
+        if muon_config.overlap_enabled:  # dmuon_overlap resolved ('auto': off under ZeRO-3)
             from .overlap import DMuonOverlap
 
             ddp = self.ddp_config
