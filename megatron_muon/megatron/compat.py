@@ -259,3 +259,37 @@ def relayout_buffer(buf, param_index_map: dict, bucket_indices: list,
         buf.buckets.append(buf._new_bucket(bucket_params=members, start_index=s, end_index=e,
                                            numel_unpadded=per_bucket_numel_unpadded[bid],
                                            bucket_id=bid))
+
+
+# -- Rebinding Megatron globals ---------------------------------------------------------------
+# The CPU test bed's shims and a few test fixtures rebind Megatron module globals or class
+# attributes.  They do it only through these functions (``tests/test_hooks.py`` checks
+# that nothing else in the package assigns attributes of Megatron modules or classes);
+# methods of Megatron *objects* are hooked through ``megatron_muon.megatron.hooks``.
+def set_megatron_attr(owner, name: str, value) -> None:
+    """``owner.name = value`` for a Megatron module or class."""
+    setattr(owner, name, value)
+
+
+@contextmanager
+def megatron_attr(owner, name: str, value):
+    """``owner.name`` is ``value`` inside the block (a Megatron module or class)."""
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+def replace_everywhere(prefix: str, original, replacement) -> None:
+    """Point every attribute of the loaded ``prefix.*`` modules that is ``original`` at
+    ``replacement`` (``from x import f`` copies the name into the importing module)."""
+    import sys
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == prefix or name.startswith(prefix + ".")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if value is original:
+                setattr(module, attr, replacement)

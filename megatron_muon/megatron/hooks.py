@@ -53,6 +53,7 @@ _DDP = "megatron.core.distributed.distributed_data_parallel.DistributedDataParal
 _OPT = "megatron.core.optimizer."
 _SCHED = "megatron.core.pipeline_parallel.schedules."
 _MOD = "megatron.core.transformer.module.Float16Module."
+_TP = "megatron.core.tensor_parallel.layers."
 
 # Parameter names of every Megatron function or method this package wraps, per
 # megatron-core "major.minor"; "*" applies to every version not listed.
@@ -74,6 +75,13 @@ SIGNATURES: dict[str, dict[str, tuple]] = {
     _MOD + "state_dict": {"*": ("self", "destination", "prefix", "keep_vars")},
     _MOD + "sharded_state_dict": {"*": ("self", "prefix", "args", "kwargs")},
     _MOD + "load_state_dict": {"*": ("self", "state_dict", "strict")},
+    _TP + "ColumnParallelLinear.forward": {
+        "*": ("self", "input_", "weight", "runtime_gather_output")},
+    _TP + "RowParallelLinear.forward": {"*": ("self", "input_")},
+    _TP + "ColumnParallelLinear.sharded_state_dict": {
+        "*": ("self", "prefix", "sharded_offsets", "metadata")},
+    _TP + "RowParallelLinear.sharded_state_dict": {
+        "*": ("self", "prefix", "sharded_offsets", "metadata")},
     "megatron.core.models.gpt.gpt_model.GPTModel.sharded_state_dict": {
         "*": ("self", "prefix", "sharded_offsets", "metadata")},
     _SCHED + "forward_step": {"*": (
