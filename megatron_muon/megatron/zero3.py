@@ -91,8 +91,9 @@ class _Bucket:
             if (e - 1) // self.shard != owner:
                 raise ValueError(
                     f"ZeRO-3: parameter {self.z.names.get(p, '?')} ({tuple(p.shape)}) crosses a "
-                    "data-parallel shard boundary. Build the DDP model inside "
-                    "matrix_placement_for(config) with dmuon_zero3=True (whole-parameter layout)")
+                    "data-parallel shard boundary. Build the DDP model with "
+                    "matrix_placement_for(config).ddp(...) and dmuon_zero3=True "
+                    "(whole-parameter layout)")
             if lo <= s < hi:
                 self.owned.append((p, s - lo))
                 used = max(used, e - lo)
@@ -433,8 +434,9 @@ def shard_model(model_chunks) -> list:
         if z is None:
             if not all(getattr(b, "matrix_whole", False) for b in chunk.buffers):
                 raise ValueError(
-                    "dmuon_zero3=True: build the DDP model inside "
-                    "megatron_muon.megatron.matrix_placement.matrix_placement_for(config) with "
+                    "dmuon_zero3=True: build the DDP model with "
+                    "megatron_muon.megatron.matrix_placement.matrix_placement_for(config).ddp(...) "
+                    "(or inside `with matrix_placement_for(config):`) with "
                     "dmuon_placement='matrix' and dmuon_zero3=True (every parameter whole on one "
                     "data-parallel rank)")
             z = MatrixZeRO3(chunk)
