@@ -165,7 +165,8 @@ class _Bucket:
         self.ensure_grad_buffer()
         cfg = self.z.ddp_config
         if cfg.check_for_nan_in_grad or getattr(cfg, "check_for_large_grads", False):
-            self.check_grads(cfg.check_for_nan_in_grad, getattr(cfg, "check_for_large_grads", False))
+            self.check_grads(cfg.check_for_nan_in_grad,
+                             getattr(cfg, "check_for_large_grads", False))
         if self.bucket.gradient_scaling_factor != 1.0:
             self.gfull.mul_(self.bucket.gradient_scaling_factor)
         op = dist.ReduceOp.AVG if cfg.average_in_collective else dist.ReduceOp.SUM
