@@ -48,7 +48,6 @@ line and exit code 1.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import hashlib
 import json
@@ -511,13 +510,12 @@ def build_model(args) -> list:
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,  # as Megatron-LM
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather, bucket_size=args.ddp_bucket_size)
-    placement = contextlib.nullcontext()
+    build = DistributedDataParallel
     if getattr(args, "dmuon_placement", "dmuon") == "matrix":  # MatrixFSDP buffers
         from megatron_muon.megatron.matrix_placement import matrix_placement_for
 
-        placement = matrix_placement_for(args)
-    with placement:
-        model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]
+        build = matrix_placement_for(args).ddp
+    model = [build(config=config, ddp_config=ddp_config, module=model)]
     wire_ddp_hooks(config, model, ddp_config)  # what Megatron-LM's training loop sets up
     return model
 

@@ -14,7 +14,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 __all__ = ["MCORE_VERSION", "device", "ns_function", "get_param_groups",
            "build_distributed_optimizer", "check_supported", "prepare_torch_adam_for_load",
-           "load_optimizer_state"]
+           "load_optimizer_state", "DDP_TAKES_PARAM_LAYOUT", "ddp_buffer_class",
+           "relayout_buffer"]
 
 MCORE_VERSION = Version(getattr(megatron.core, "__version__", "0.0.0"))
 
@@ -199,3 +200,96 @@ def load_optimizer_state(optimizer, state_dict) -> None:
                 sub.optimizer.state[p]["step"] = step.clone()
     if len(subs) > 1:
         optimizer._synchronize_steps()
+
+
+# -- DDP buffer layout (matrix placement) -----------------------------------------------------
+def _ddp_takes_param_layout() -> bool:
+    from megatron.core.distributed import DistributedDataParallel
+
+    import inspect
+
+    return "full_param_layout" in inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+DDP_TAKES_PARAM_LAYOUT = _ddp_takes_param_layout()  # megatron-core >= 0.19
+
+
+@contextmanager
+def ddp_buffer_class(make_subclass: Callable):
+    """DDP models built inside the block get ``make_subclass(_ParamAndGradBuffer)`` buffers.
+
+    The seam for code that lays DDP buffers out differently on megatron-core 0.16, whose DDP
+    computes every buffer's layout inline (0.19 takes a ``full_param_layout`` instead: see
+    ``matrix_placement.MatrixPlacement.ddp``); also used by ``matrix_placement``'s
+    context-manager form, for DDP models built by code out of our reach.
+    """
+    from megatron.core.distributed import distributed_data_parallel as ddp_mod
+
+    base = ddp_mod._ParamAndGradBuffer
+    ddp_mod._ParamAndGradBuffer = make_subclass(base)
+    try:
+        yield
+    finally:
+        ddp_mod._ParamAndGradBuffer = base
+
+
+def relayout_buffer(buf, param_index_map: dict, bucket_indices: list,
+                    per_bucket_numel_unpadded: list) -> None:
+    """megatron-core 0.16: re-map an already built ``_ParamAndGradBuffer`` onto a layout."""
+    from megatron.core.distributed.param_and_grad_buffer import BufferType
+
+    buf.param_index_map = param_index_map
+    buf.bucket_indices = bucket_indices
+    buf.numel = bucket_indices[-1][1]
+    buf.numel_unpadded = sum(per_bucket_numel_unpadded)
+    dev = buf.grad_data.device
+    if buf.param_data is not None:
+        buf.param_data = torch.zeros(buf.numel, dtype=buf.param_dtype, device=dev)
+    buf.grad_data = torch.zeros(buf.numel, dtype=buf.grad_dtype, device=dev)
+    for p in buf.params:
+        start = param_index_map[p][0]
+        if buf.param_data is not None:
+            new = buf._get(p.data.shape, start, buffer_type=BufferType.PARAM)
+            new.copy_(p.data)
+            p.data = new
+        p.main_grad = buf._get(p.data.shape, start, buffer_type=BufferType.GRAD)
+    buf.buckets, buf.param_to_bucket = [], {}
+    for bid, (s, e) in enumerate(bucket_indices):
+        members = [p for p in buf.params[::-1] if param_index_map[p][2] == bid]
+        buf.buckets.append(buf._new_bucket(bucket_params=members, start_index=s, end_index=e,
+                                           numel_unpadded=per_bucket_numel_unpadded[bid],
+                                           bucket_id=bid))
+
+
+# -- Rebinding Megatron globals ---------------------------------------------------------------
+# The CPU test bed's shims and a few test fixtures rebind Megatron module globals or class
+# attributes.  They do it only through these functions (``tests/test_hooks.py`` checks
+# that nothing else in the package assigns attributes of Megatron modules or classes);
+# methods of Megatron *objects* are hooked through ``megatron_muon.megatron.hooks``.
+def set_megatron_attr(owner, name: str, value) -> None:
+    """``owner.name = value`` for a Megatron module or class."""
+    setattr(owner, name, value)
+
+
+@contextmanager
+def megatron_attr(owner, name: str, value):
+    """``owner.name`` is ``value`` inside the block (a Megatron module or class)."""
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+def replace_everywhere(prefix: str, original, replacement) -> None:
+    """Point every attribute of the loaded ``prefix.*`` modules that is ``original`` at
+    ``replacement`` (``from x import f`` copies the name into the importing module)."""
+    import sys
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == prefix or name.startswith(prefix + ".")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if value is original:
+                setattr(module, attr, replacement)

@@ -154,7 +154,9 @@ def _patch_megatron_without_te() -> None:
     except ImportError:
         return
     if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+        from .compat import set_megatron_attr
+
+        set_megatron_attr(moe_utils, "te_general_gemm", None)
 
 
 def enable_cpu_mode() -> bool:

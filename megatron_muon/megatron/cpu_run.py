@@ -64,17 +64,6 @@ def with_cpu_defaults(argv: list) -> list:
 
 
 # ----------------------------------------------------------------------------- shims
-def _replace_everywhere(prefix: str, original, replacement) -> None:
-    """Point every ``prefix.*`` module attribute that is ``original`` at ``replacement``
-    (``from x import f`` copies the name into the importing module)."""
-    for name, module in list(sys.modules.items()):
-        if module is None or not (name == prefix or name.startswith(prefix + ".")):
-            continue
-        for attr, value in list(vars(module).items()):
-            if value is original:
-                setattr(module, attr, replacement)
-
-
 @contextlib.contextmanager
 def _one_cuda_device():
     import torch
@@ -159,19 +148,21 @@ def install_shims() -> None:
     import megatron.training.arguments as arguments
     import megatron.training.initialize as initialize
 
+    from .compat import replace_everywhere, set_megatron_attr
+
     if not getattr(initialize.initialize_megatron, "_megatron_muon_cpu", False):
         shim = _shim_initialize_megatron(initialize.initialize_megatron)
         shim._megatron_muon_cpu = True
-        _replace_everywhere("megatron.training", initialize.initialize_megatron, shim)
+        replace_everywhere("megatron.training", initialize.initialize_megatron, shim)
     if getattr(arguments, "get_device_arch_version", None) not in (None, _device_arch_version):
-        _replace_everywhere("megatron.training", arguments.get_device_arch_version,
+        replace_everywhere("megatron.training", arguments.get_device_arch_version,
                             _device_arch_version)
     if hasattr(initialize, "_warmup_jit_function"):
-        initialize._warmup_jit_function = _skip_jit_warmup
+        set_megatron_attr(initialize, "_warmup_jit_function", _skip_jit_warmup)
     if not getattr(dataset_utils.compile_helpers, "_megatron_muon_cpu", False):
         shim = _shim_compile_helpers(dataset_utils.compile_helpers)
         shim._megatron_muon_cpu = True
-        dataset_utils.compile_helpers = shim
+        set_megatron_attr(dataset_utils, "compile_helpers", shim)
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -515,6 +515,8 @@ def apply_lora(model, config: Optional[LoRAConfig] = None, **kwargs) -> list[LoR
         raise ValueError("give either a LoRAConfig or keyword arguments, not both")
     elif not isinstance(config, LoRAConfig):
         raise ValueError(f"config must be a LoRAConfig, got {type(config).__name__}")
+    from . import hooks
+
     config.validate()
     from megatron.core.utils import unwrap_model
 
@@ -553,8 +555,9 @@ def apply_lora(model, config: Optional[LoRAConfig] = None, **kwargs) -> list[LoR
     for module, adapter in adapters:
         module.add_module("lora", adapter)
         forward = _column_lora_forward if adapter.kind == "column" else _row_lora_forward
-        module.forward = types.MethodType(forward, module)
-        module.sharded_state_dict = types.MethodType(_lora_sharded_state_dict, module)
+        hooks.replace(module, "forward", types.MethodType(forward, module), owner="LoRA")
+        hooks.replace(module, "sharded_state_dict",
+                      types.MethodType(_lora_sharded_state_dict, module), owner="LoRA")
     if config.freeze_base:
         for chunk in chunks:
             for module in chunk.modules():

@@ -1,4 +1,4 @@
-"""DMuon overlap: speculative owner work during the backward pass (SPEC section 2, "Overlap").
+"""DMuon overlap: speculative owner work during the backward pass (docs/design.md, "Overlap").
 
 Megatron's optimizer step needs the global gradient norm (clipping) and found-inf (fp16),
 known only once every pipeline stage has finished.  DMuon does not wait for them:
@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ..muon import momentum_update
 from ..trace import span
+from . import hooks
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,8 @@ class _Deferred:
 
 
 class DMuonOverlap:
-    """Hooks one ``DMuonDistributedOptimizer`` into its DDP chunks' grad-sync calls."""
+    """Hooks one ``DMuonDistributedOptimizer`` into its DDP chunks' grad-sync calls
+    (through ``megatron_muon.megatron.hooks``; ``remove()`` takes the hooks back)."""
 
     def __init__(self, opt, bucket_gather: bool = True, param_update: bool = True):
         self.opt = opt
@@ -150,29 +152,23 @@ class DMuonOverlap:
 
     # -- hooks ----------------------------------------------------------------------
     def _install(self) -> None:
+        self.registrations = []
         for i, g in enumerate(self.groups):
-            self._wrap(g.bucket_group, "start_grad_sync", lambda i=i: self._on_start(i))
+            self.registrations.append(
+                hooks.on_grad_sync_started(g.bucket_group, lambda i=i: self._on_start(i)))
             if self.param_update:
-                self._wrap(g.bucket_group, "start_param_sync", lambda i=i: self.flush(i),
-                           before=True)
+                self.registrations.append(
+                    hooks.before_param_sync(g.bucket_group, lambda i=i: self.flush(i)))
         chunks = list(self.opt.model_chunks)
         for chunk in chunks:
-            self._wrap(chunk, "finish_grad_sync",
-                       lambda c=chunk, n=len(chunks): self._on_finish(c, n))
+            self.registrations.append(hooks.on_backward_done(
+                chunk, lambda c=chunk, n=len(chunks): self._on_finish(c, n)))
 
-    @staticmethod
-    def _wrap(obj, name: str, hook, before: bool = False) -> None:
-        inner = getattr(obj, name)
-
-        def wrapped(*args, **kwargs):
-            if before:
-                hook()
-            result = inner(*args, **kwargs)
-            if not before:
-                hook()
-            return result
-
-        setattr(obj, name, wrapped)
+    def remove(self) -> None:
+        """Unhook from Megatron (the DDP chunks' methods are Megatron's again)."""
+        for r in self.registrations:
+            r.remove()
+        self.registrations = []
 
     def _on_start(self, i: int) -> None:
         self.started.add(i)

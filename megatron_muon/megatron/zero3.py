@@ -23,9 +23,11 @@ parameter, matrix or not, lies whole inside one DP rank's shard of its bucket). 
 Why not Megatron-FSDP: on megatron-core 0.16.1 its constructor asserts a CUDA device and
 creates ``torch.cuda.Stream``s, and its buffers cut every item into even per-rank slices, so
 it can neither run on the CPU test bed nor carry whole-matrix ownership.  Megatron DDP's
-buffers, hooks and ``DistributedOptimizer`` carry it with a few per-instance overrides:
-bucket groups (``register_grad_ready``, ``start/finish_grad_sync``, ``start/finish_param_sync``,
-``reset``) and buffers (``reset``, ``scale_gradients``).
+buffers, hooks and ``DistributedOptimizer`` carry it with a few explicit replacements,
+registered with ``megatron_muon.megatron.hooks`` (so the trace and the overlap see the
+effective behaviour): bucket groups (``register_grad_ready``, ``start/finish_grad_sync``,
+``start/finish_param_sync``, ``reset``) and buffers (``reset``, ``scale_gradients``);
+``MatrixZeRO3.remove()`` takes them back (the sharded storage stays).
 
 Limits: one distributed-optimizer instance, no FP8 / MXFP8 / NVFP4 params, no Megatron-FSDP,
 no MoE expert buffers (dense buffers only); activation recomputation is untested.
@@ -35,11 +37,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from types import SimpleNamespace
+from functools import partial
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from . import hooks
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +90,9 @@ class _Bucket:
             if (e - 1) // self.shard != owner:
                 raise ValueError(
                     f"ZeRO-3: parameter {self.z.names.get(p, '?')} ({tuple(p.shape)}) crosses a "
-                    "data-parallel shard boundary. Build the DDP model inside "
-                    "matrix_placement_for(config) with dmuon_zero3=True (whole-parameter layout)")
+                    "data-parallel shard boundary. Build the DDP model with "
+                    "matrix_placement_for(config).ddp(...) and dmuon_zero3=True "
+                    "(whole-parameter layout)")
             if lo <= s < hi:
                 self.owned.append((p, s - lo))
                 used = max(used, e - lo)
@@ -159,11 +164,8 @@ class _Bucket:
         self.ensure_grad_buffer()
         cfg = self.z.ddp_config
         if cfg.check_for_nan_in_grad or getattr(cfg, "check_for_large_grads", False):
-            # Megatron's own check (rerun state machine), on this bucket alone
-            type(self.bucket_group).check_grads(
-                SimpleNamespace(buckets=[self.bucket]),
-                check_for_nan_or_inf=cfg.check_for_nan_in_grad,
-                check_for_large=getattr(cfg, "check_for_large_grads", False))
+            self.check_grads(cfg.check_for_nan_in_grad,
+                             getattr(cfg, "check_for_large_grads", False))
         if self.bucket.gradient_scaling_factor != 1.0:
             self.gfull.mul_(self.bucket.gradient_scaling_factor)
         op = dist.ReduceOp.AVG if cfg.average_in_collective else dist.ReduceOp.SUM
@@ -178,6 +180,28 @@ class _Bucket:
         _free(self.gfull)
         self.release()  # every use of these parameters in this backward is done
         self.z.stats["reductions"] += 1
+
+    def check_grads(self, check_for_nan_or_inf: bool, check_for_large: bool) -> None:
+        """Megatron's pre-reduction gradient check (``_ParamAndGradBucketGroup.check_grads``)
+        on this bucket alone: the same rerun-state-machine validations of the local norm."""
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        rsm = get_rerun_state_machine()
+        norm = self.gfull.norm(p=2)
+        where = (f"bucket #{self.bucket.bucket_id} in backward pass before data-parallel "
+                 "communication collective")
+        if check_for_nan_or_inf:
+            rsm.validate_result(result=norm, rejection_func=torch.isnan,
+                                message=f"found NaN in local grad norm for {where}",
+                                tolerance=0.001, fatal=True)
+            rsm.validate_result(result=norm, rejection_func=torch.isinf,
+                                message=f"found Inf in local grad norm for {where}",
+                                tolerance=0.001, fatal=True)
+        if check_for_large:
+            rsm.validate_result(
+                result=norm, rejection_func=partial(rsm.is_unexpectedly_large, threshold=10,
+                                                    context="grads"),
+                message=f"found unexpected large grads in {where}", tolerance=0.001, fatal=False)
 
     def reset(self) -> None:
         self.gshard.zero_()
@@ -246,14 +270,25 @@ class MatrixZeRO3:
             for t in (buf.param_data, buf.grad_data):
                 if t is not None:
                     _free(t)
-            buf.reset = lambda: None
-            buf.scale_gradients = self._scaler(buf)
+        self.registrations = []
+        for buf in ddp_model.buffers:
+            self._replace(buf, "reset", lambda: None)
+            self._replace(buf, "scale_gradients", self._scaler(buf))
         for bg in ddp_model.bucket_groups:
             self._override(bg)
         self._install_hooks()
         ddp_model.matrix_zero3 = self
 
     # -- Megatron overrides -----------------------------------------------------------------
+    def _replace(self, obj, name: str, fn) -> None:
+        self.registrations.append(hooks.replace(obj, name, fn, owner="ZeRO-3"))
+
+    def remove(self) -> None:
+        """Take back ZeRO-3's replacements of Megatron's bucket-group and buffer methods."""
+        for r in self.registrations:
+            r.remove()
+        self.registrations = []
+
     def _scaler(self, buf):
         mine = [zb for zb in self.buckets if self.buffer_of[zb.params[0]] is buf]
 
@@ -288,12 +323,13 @@ class MatrixZeRO3:
             for zb in zbs:
                 zb.release()
 
-        bg.register_grad_ready = register_grad_ready
-        bg.start_grad_sync = lambda *a, **k: None
-        bg.finish_grad_sync = finish_grad_sync
-        bg.start_param_sync = param_sync
-        bg.finish_param_sync = lambda *a, **k: None
-        bg.reset = reset
+        for name, fn in (("register_grad_ready", register_grad_ready),
+                         ("start_grad_sync", lambda *a, **k: None),
+                         ("finish_grad_sync", finish_grad_sync),
+                         ("start_param_sync", param_sync),
+                         ("finish_param_sync", lambda *a, **k: None),
+                         ("reset", reset)):
+            self._replace(bg, name, fn)
 
     # -- hooks ----------------------------------------------------------------------------
     def _install_hooks(self) -> None:
@@ -400,8 +436,9 @@ def shard_model(model_chunks) -> list:
         if z is None:
             if not all(getattr(b, "matrix_whole", False) for b in chunk.buffers):
                 raise ValueError(
-                    "dmuon_zero3=True: build the DDP model inside "
-                    "megatron_muon.megatron.matrix_placement.matrix_placement_for(config) with "
+                    "dmuon_zero3=True: build the DDP model with "
+                    "megatron_muon.megatron.matrix_placement.matrix_placement_for(config).ddp(...) "
+                    "(or inside `with matrix_placement_for(config):`) with "
                     "dmuon_placement='matrix' and dmuon_zero3=True (every parameter whole on one "
                     "data-parallel rank)")
             z = MatrixZeRO3(chunk)
@@ -416,12 +453,7 @@ def _wrap_state_dict(chunk) -> None:
     inner = chunk.module
     z = zero3_of(chunk)
     for name in ("state_dict", "sharded_state_dict", "load_state_dict"):
-        orig = getattr(inner, name)
-
-        def wrapped(*args, _orig=orig, **kwargs):
-            z.gather_all()
-            return _orig(*args, **kwargs)
-        setattr(inner, name, wrapped)
+        z.registrations.append(hooks.before(inner, name, z.gather_all))
 
 
 @contextlib.contextmanager

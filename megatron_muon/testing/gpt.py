@@ -94,11 +94,9 @@ def build_gpt(cfg: TinyGPTConfig, *, wrap_ddp: bool = True, ddp_config=None,
               layer_spec=None, placement=None) -> list:
     """GPTModel chunks for this rank's pipeline stage(s), optionally wrapped in Megatron DDP.
 
-    ``placement``: a context manager (``megatron_muon.megatron.matrix_placement``) under
-    which the DDP buffers are built.
+    ``placement``: a ``megatron_muon.megatron.matrix_placement.MatrixPlacement`` that builds
+    the DDP models (its ``ddp(...)``).
     """
-    import contextlib
-
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -129,11 +127,9 @@ def build_gpt(cfg: TinyGPTConfig, *, wrap_ddp: bool = True, ddp_config=None,
     ddp_config = ddp_config or DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=False, bucket_size=None,
         grad_reduce_in_fp32=True)
-    wrapped = []
-    with placement if placement is not None else contextlib.nullcontext():
-        for i, model in enumerate(chunks):
-            wrapped.append(DistributedDataParallel(config=tcfg, ddp_config=ddp_config,
-                                                   module=model, disable_bucketing=i > 0))
+    build = placement.ddp if placement is not None else DistributedDataParallel
+    wrapped = [build(config=tcfg, ddp_config=ddp_config, module=model, disable_bucketing=i > 0)
+               for i, model in enumerate(chunks)]
     wire_ddp_hooks(tcfg, wrapped, ddp_config)
     return wrapped
 

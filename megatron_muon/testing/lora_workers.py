@@ -60,6 +60,8 @@ def _sp_torch_norm():
 
     from megatron.core.transformer import torch_norm
 
+    from megatron_muon.megatron.compat import megatron_attr
+
     original = torch_norm.WrappedTorchNorm.__new__
 
     def patched(cls, config, *args, **kwargs):
@@ -72,11 +74,8 @@ def _sp_torch_norm():
             p.sequence_parallel = True
         return norm
 
-    torch_norm.WrappedTorchNorm.__new__ = patched
-    try:
+    with megatron_attr(torch_norm.WrappedTorchNorm, "__new__", patched):
         yield
-    finally:
-        torch_norm.WrappedTorchNorm.__new__ = original
 
 
 def _build(cfg: TinyGPTConfig, lora: dict):
