@@ -185,8 +185,10 @@ def _megatron_names(tree) -> set:
 
 
 def _root(node):
-    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
-        node = node.func if isinstance(node, ast.Call) else node.value
+    """The name an attribute chain starts from; None through a call (``f(x).a = ...`` sets an
+    attribute of what the call returned, an instance, not of a module or class)."""
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
     return node.id if isinstance(node, ast.Name) else None
 
 
