@@ -17,7 +17,6 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
@@ -305,8 +304,11 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
 
     def __init__(self, optimizer, config, grad_scaler, init_state_fn, model_chunks,
                  per_model_buffers, data_parallel_group, *args, muon_config=None,
-                 replicate: bool = False, expert: bool = False, **kwargs):
-        self.expert = expert
+                 replicate: bool = False, expert: bool = False, groups=None, **kwargs):
+        if groups is None:
+            raise ValueError("DMuonDistributedOptimizer needs groups= (a DMuonGroups); build it "
+                             "with megatron_muon.megatron.factory.get_megatron_optimizer")
+        self.expert, self.groups = expert, groups
         self._init_subset(optimizer)
         super().__init__(optimizer, config, grad_scaler, init_state_fn, model_chunks,
                          per_model_buffers, data_parallel_group, *args, **kwargs)
@@ -332,29 +334,26 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
 
     # -- geometry ---------------------------------------------------------------------
     def _build_engine(self, offsets: dict) -> OwnerCentricNS:
-        cfg = self.muon_config
+        cfg, G = self.muon_config, self.groups
         matrix = cfg.dmuon_placement == "matrix"
         if self.expert:  # experts: planned over their expert-data-parallel group
-            if parallel_state.get_expert_tensor_parallel_world_size() != 1:
+            if G.expt_tp_size != 1:
                 raise ValueError("optimizer='dmuon' supports MoE experts with expert tensor "
                                  "parallel size 1 only (set expert_tensor_parallel_size=1)")
-            group, tp_size, tp_rank = parallel_state.get_expert_data_parallel_group(), 1, 0
+            group, tp_size, tp_rank = G.expt_dp, 1, 0
             if matrix:  # every expert matrix is whole on its DP owner: nothing to exchange
-                group = parallel_state.get_expert_tensor_parallel_group()
+                group = G.expt_tp
         elif cfg.dmuon_tp_mode == "blockwise":  # each TP shard is a matrix of its own
-            group = None if matrix else parallel_state.get_data_parallel_group(
-                with_context_parallel=False)
+            group = None if matrix else G.dp
             tp_size, tp_rank = 1, 0
         else:
             # matrix placement: a unit's TP shards sit on one DP rank's TP group
-            group = parallel_state.get_tensor_model_parallel_group() if matrix else \
-                parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=False)
-            tp_size = parallel_state.get_tensor_model_parallel_world_size()
-            tp_rank = parallel_state.get_tensor_model_parallel_rank()
+            group = G.tp if matrix else G.tp_dp
+            tp_size, tp_rank = G.tp_size, G.tp_rank
         model_config = self.model_chunks[0].config
         blockwise = cfg.dmuon_tp_mode == "blockwise" and not self.expert
         if blockwise:  # the attention geometry of one TP shard
-            real_tp = parallel_state.get_tensor_model_parallel_world_size()
+            real_tp = G.tp_size
             heads = model_config.num_attention_heads
             model_config = SimpleNamespace(
                 num_attention_heads=heads // real_tp,
@@ -375,7 +374,7 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
         for bi, buffer in enumerate(self.buffers):
             for p, (_, _, bucket_id) in buffer.param_index_map.items():
                 if p in self._managed:
-                    bucket_of[p] = bi * 100_000 + bucket_id
+                    bucket_of[p] = (bi, bucket_id)
         self.engine_bucket_of = bucket_of
 
         mine = []
@@ -555,10 +554,12 @@ def build_dmuon_optimizer(config, model_chunks, config_overrides=None,
                           dump_param_to_param_group_map=None):
     """``ChainedOptimizer([DMuon for hidden matrices, AdamW DistributedOptimizer for the rest])``."""
     from .config import DMuonOptimizerConfig
+    from .groups import DMuonGroups
 
     if not isinstance(config, DMuonOptimizerConfig):
         raise ValueError(f"optimizer={config.optimizer!r} needs a megatron_muon.DMuonOptimizerConfig")
-    compat.check_supported(config, model_chunks)
+    groups = DMuonGroups.build(pg_collection, model_chunks, use_gloo_process_groups)
+    compat.check_supported(config, model_chunks, groups)
     if config.dmuon_zero3:
         from .zero3 import shard_model
 
@@ -580,27 +581,21 @@ def build_dmuon_optimizer(config, model_chunks, config_overrides=None,
     param_groups = compat.get_param_groups(model_chunks, adam_config, config_overrides)
     replicate = config.optimizer == "muon_naive"
 
-    def dmuon_cls(expert):
-        def build(*args, **kwargs):
-            return DMuonDistributedOptimizer(*args, muon_config=config, replicate=replicate,
-                                             expert=expert, **kwargs)
-        return build
-
     # Dense and expert parameters live in separate DDP buffers with their own DP groups;
     # each gets a DMuon (Muon matrices) and an AdamW (the rest) over its buffers.  DMuons
     # come first: the last AdamW's param all-gather publishes every buffer.
     muon_opts, adam_opts = [], []
     for expert in (False, True):
-        groups = [g for g in param_groups if bool(g.get("is_expert_parallel")) == expert]
-        if not any(g["params"] for g in groups):
+        selected = [g for g in param_groups if bool(g.get("is_expert_parallel")) == expert]
+        if not any(g["params"] for g in selected):
             continue
-        muon_groups, adam_groups = _split_groups(groups, lambda p: p in muon_set)
-        for gs, cls, dst in ((muon_groups, dmuon_cls(expert), muon_opts),
-                             (adam_groups, SubsetDistributedOptimizer, adam_opts)):
+        muon_groups, adam_groups = _split_groups(selected, lambda p: p in muon_set)
+        muon_kw = dict(muon_config=config, replicate=replicate, expert=expert, groups=groups)
+        for gs, cls, kw, dst in ((muon_groups, DMuonDistributedOptimizer, muon_kw, muon_opts),
+                                 (adam_groups, SubsetDistributedOptimizer, {}, adam_opts)):
             if not expert or any(g["params"] for g in gs):
                 opt = compat.build_distributed_optimizer(adam_config, model_chunks, gs, cls,
-                                                         use_gloo_process_groups, pg_collection,
-                                                         expert=expert)
+                                                         groups, expert=expert, cls_kwargs=kw)
                 opt.config = config  # ChainedOptimizer wants one shared config
                 dst.append(opt)
     for opt in muon_opts:
