@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -13,7 +14,7 @@ import megatron.core.optimizer as mcore_optimizer
 
 __all__ = ["MCORE_VERSION", "device", "ns_function", "get_param_groups",
            "build_distributed_optimizer", "check_supported", "prepare_torch_adam_for_load",
-           "load_optimizer_state"]
+           "load_optimizer_state", "initialize_island_model_parallel"]
 
 MCORE_VERSION = Version(getattr(megatron.core, "__version__", "0.0.0"))
 
@@ -252,3 +253,83 @@ def load_optimizer_state(optimizer, state_dict) -> None:
                 sub.optimizer.state[p]["step"] = step.clone()
     if len(subs) > 1:
         optimizer._synchronize_steps()
+
+
+# ----------------------------------------------------------------------------- islands
+@contextmanager
+def _island_groups(num_islands: int, island_size: int, island: int):
+    """While active, every group Megatron's ``parallel_state`` creates is made K times.
+
+    Megatron asks ``create_group`` for a group over ranks of *this* island (global ranks,
+    the island's offset applied); ``torch.distributed.new_group`` must be entered by every
+    rank of the world in the same order, and the islands ask for different rank sets at
+    the same moment. The wrapper therefore creates the group over the same island-local
+    ranks in every island ``j`` (``+ j S``), in island order, and hands Megatron the copy
+    of its own island. ``parallel_state.create_group`` is the one function through which
+    ``initialize_model_parallel`` creates groups (0.16.1 and 0.19.2).
+
+    On megatron-core < 0.19 ``initialize_model_parallel`` has no ``rank_offset`` /
+    ``local_world_size``: it sizes the layout from ``torch.distributed.get_world_size()``
+    and builds ranks with ``RankGenerator(rank_offset=0)``. There, while active, the
+    default world size reads ``S`` and ``RankGenerator`` gets the island's offset (the
+    parameter exists in 0.16). ``torch.distributed.get_rank`` is left alone: the ranks
+    Megatron compares it with are global already.
+    """
+    from megatron.core import parallel_state as ps
+
+    offset = island * island_size
+    real_create = ps.create_group
+    native = "rank_offset" in inspect.signature(ps.initialize_model_parallel).parameters
+
+    def create_group(ranks=None, *args, **kwargs):
+        if ranks is None:
+            raise RuntimeError("initialize_islands: Megatron asked for a group without ranks")
+        local = [int(r) - offset for r in ranks]
+        if any(r < 0 or r >= island_size for r in local):
+            raise RuntimeError(f"initialize_islands: group ranks {list(ranks)} are outside "
+                               f"island {island} (ranks {offset}..{offset + island_size - 1})")
+        mine = None
+        for j in range(num_islands):
+            group = real_create([r + j * island_size for r in local], *args, **kwargs)
+            if j == island:
+                mine = group
+        return mine
+
+    saved = {"create_group": (ps, real_create)}
+    ps.create_group = create_group
+    if not native:
+        import torch.distributed as dist
+
+        real_ws, real_gen = dist.get_world_size, ps.RankGenerator
+
+        def world_size(group=None):
+            return island_size if group is None else real_ws(group)
+
+        class IslandRankGenerator(real_gen):
+            def __init__(self, *args, **kwargs):
+                kwargs["rank_offset"] = offset
+                super().__init__(*args, **kwargs)
+
+        dist.get_world_size, ps.RankGenerator = world_size, IslandRankGenerator
+        saved.update(get_world_size=(dist, real_ws), RankGenerator=(ps, real_gen))
+    try:
+        yield {} if not native else dict(rank_offset=offset, local_world_size=island_size)
+    finally:
+        for name, (owner, value) in saved.items():
+            setattr(owner, name, value)
+
+
+def initialize_island_model_parallel(num_islands: int, island_size: int, island: int,
+                                     **kwargs) -> None:
+    """``parallel_state.initialize_model_parallel`` for island ``island`` of ``num_islands``
+    contiguous blocks of ``island_size`` ranks: every group it creates is island-local.
+
+    Megatron-Core's model building (GPTModel, its layers, DDP and the pipeline schedules on
+    0.16) reads ``parallel_state``, so an island needs its ``parallel_state`` to *be* the
+    island's; 0.19 also takes ``pg_collection`` in most places, which
+    ``megatron_muon.megatron.islands`` builds from the same groups.
+    """
+    from megatron.core import parallel_state as ps
+
+    with _island_groups(num_islands, island_size, island) as extra:
+        ps.initialize_model_parallel(**kwargs, **extra)
