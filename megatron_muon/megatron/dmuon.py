@@ -13,8 +13,9 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-from types import SimpleNamespace
-from typing import Optional
+from dataclasses import dataclass
+from types import MappingProxyType, SimpleNamespace
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ from .state_dict import AdamStateMixin, DMuonStateMixin
 logger = logging.getLogger(__name__)
 
 __all__ = ["DMuonDistributedOptimizer", "SubsetDistributedOptimizer", "build_dmuon_optimizer",
-           "ShardedMuonStep", "flat_offsets", "exchange_group", "sharded_matrices", "build_engine"]
+           "ShardedMuonStep", "DMuonView", "flat_offsets", "exchange_group", "sharded_matrices", "build_engine"]
 
 
 class _SubsetMixin:
@@ -104,6 +105,22 @@ class SubsetDistributedOptimizer(AdamStateMixin, _SubsetMixin, DistributedOptimi
         super().__init__(optimizer, *args, **kwargs)
 
 
+@dataclass(frozen=True)
+class DMuonView:
+    """What DMuon's overlap (``overlap.DMuonOverlap``) reads of the optimizer, read-only.
+
+    ``shards``: {model param: (shard main param, start, end)} of the Muon parameters this
+    rank holds a slice of; ``bucket_of``: {model param: engine bucket key}; ``publish``:
+    copies one updated main param into the model's param buffer.
+    """
+
+    model_chunks: tuple
+    bucket_of: Mapping
+    shards: Mapping
+    grad_scaler: Any
+    publish: Callable
+
+
 def flat_offsets(param_groups) -> tuple:
     """({main param: offset}, total): where each shard main param sits in the flat buffer
     of DMuon's step (group by group, parameter by parameter)."""
@@ -119,7 +136,7 @@ class ShardedMuonStep(torch.optim.Optimizer):
     """Inner optimizer of DMuon: momentum on the shards, NS on the owners, update on the shards."""
 
     def __init__(self, param_groups, engine: OwnerCentricNS, *, momentum: float, nesterov: bool,
-                 check_finite: bool):
+                 check_finite: bool, overlap: Optional[dict] = None):
         # The shard main params are views (non-leaf for fp32 models), which torch's
         # add_param_group refuses; Megatron installs its groups the same direct way.
         super().__init__([torch.zeros(1, requires_grad=True)], dict(lr=0.0, weight_decay=0.0))
@@ -127,7 +144,12 @@ class ShardedMuonStep(torch.optim.Optimizer):
         self.momentum, self.nesterov, self.check_finite = momentum, nesterov, check_finite
         self.offsets, self.numel = flat_offsets(self.param_groups)
         self.engine = engine
-        self.overlap = None  # a DMuonOverlap, installed by the DMuon optimizer
+        # overlap: DMuonOverlap's keyword arguments (a DMuonView and its flags), or None
+        self.overlap = None
+        if overlap is not None:
+            from .overlap import DMuonOverlap
+
+            self.overlap = DMuonOverlap(step=self, **overlap)
         # No 'step' in the param groups: Megatron's ChainedOptimizer._synchronize_steps
         # compares every group's 'step', and after a checkpoint load the AdamW groups hold a
         # 'step' that torch's AdamW never advances (it counts per parameter).  A counter here
@@ -205,44 +227,48 @@ class DMuonDistributedOptimizer(DMuonStateMixin, _SubsetMixin, DistributedOptimi
             return
         param_groups = self.optimizer.param_groups
         offsets, _ = flat_offsets(param_groups)
-        held, bucket_of = self._shard_geometry(offsets)
-        self.engine_bucket_of = bucket_of
+        held, mains, bucket_of = self._shard_geometry(offsets)
         matrices, group = sharded_matrices(self.model_chunks, self._managed, held, bucket_of,
                                            self.groups, muon_config, expert=expert)
         engine, self.plan = build_engine(matrices, group, muon_config, replicate=replicate,
                                          local_numel=sum(p.numel() for p in offsets))
-        self.optimizer = ShardedMuonStep(
-            param_groups, engine, momentum=muon_config.muon_momentum,
-            nesterov=muon_config.muon_nesterov, check_finite=muon_config.dmuon_check_finite)
-        self.init_state_fn = lambda opt, config=None: opt.init_state()
+        overlap = None
         if muon_config.dmuon_overlap:
-            from .overlap import DMuonOverlap
-
             ddp = self.ddp_config
             param_update = muon_config.dmuon_overlap_param_update and not (
                 getattr(ddp, "fp8_param_gather", False) or getattr(ddp, "use_megatron_fsdp", False)
                 or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
-            self.optimizer.overlap = DMuonOverlap(
-                self, bucket_gather=muon_config.dmuon_overlap_bucket_gather,
-                param_update=param_update)
+            view = DMuonView(
+                model_chunks=tuple(self.model_chunks), bucket_of=MappingProxyType(bucket_of),
+                shards=MappingProxyType({p: (mains[p], held[p][0], held[p][1]) for p in held}),
+                grad_scaler=self.grad_scaler, publish=self.publish_param)
+            overlap = dict(view=view, bucket_gather=muon_config.dmuon_overlap_bucket_gather,
+                           param_update=param_update)
+        self.optimizer = ShardedMuonStep(
+            param_groups, engine, momentum=muon_config.muon_momentum,
+            nesterov=muon_config.muon_nesterov, check_finite=muon_config.dmuon_check_finite,
+            overlap=overlap)
+        self.init_state_fn = lambda opt, config=None: opt.init_state()
 
     def _shard_geometry(self, offsets: dict) -> tuple:
         """This rank's slice of every Muon parameter it holds, from Megatron's range maps:
-        ``held`` {model param: (start, end, offset in the flat shard buffer)} and
-        ``bucket_of`` {model param: (buffer index, bucket id)}."""
+        ``held`` {model param: (start, end, offset in the flat shard buffer)}, ``mains``
+        {model param: its shard main param} and ``bucket_of`` {model param: (buffer index,
+        bucket id)}."""
         bucket_of = {}
         for bi, buffer in enumerate(self.buffers):
             for p, (_, _, bucket_id) in buffer.param_index_map.items():
                 if p in self._managed:
                     bucket_of[p] = (bi, bucket_id)
-        held = {}
+        held, mains = {}, {}
         for p in self._managed:
             if p not in self.model_param_gbuf_map:
                 continue
             r = self._get_model_param_range_map(p)["param"]
             gi, go = self.model_param_group_index_map[p]
-            held[p] = (r.start, r.end, offsets[self.optimizer.param_groups[gi]["params"][go]])
-        return held, bucket_of
+            mains[p] = self.optimizer.param_groups[gi]["params"][go]
+            held[p] = (r.start, r.end, offsets[mains[p]])
+        return held, mains, bucket_of
 
     @torch.no_grad()
     def publish_param(self, model_param, main_param) -> None:
