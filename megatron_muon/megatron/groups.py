@@ -90,6 +90,11 @@ class DMuonGroups:
             except (AttributeError, AssertionError):
                 return None
 
+        missing = [name for name in ("tp", "dp", "tp_dp_cp", "pp") if get(name) is None]
+        if missing:
+            raise ValueError(f"pg_collection has no {', '.join(missing)} group(s); DMuon needs "
+                             "tp, dp, tp_dp_cp and pp (ProcessGroupCollection."
+                             "use_mpu_process_groups() fills every field)")
         cp = get("cp")
         if _size(cp) > 1:
             raise ValueError("optimizer='dmuon' does not support context parallelism yet")
