@@ -6,6 +6,13 @@ changes: each rank updates the momentum of its shard (element-wise, so state sta
 sharded exactly like Adam's ``exp_avg``), the owner-centric executor gathers every unit on
 one owner in the stage's DP x TP group, orthogonalises it there and sends the pieces
 back, and each rank applies ``W <- W (1 - lr wd) - lr * scale * O`` to its shard.
+
+Construction flows one way. ``build_dmuon_optimizer`` builds the process groups once
+(``groups.DMuonGroups``) and constructs the distributed optimizers itself
+(``compat.build_distributed_optimizer``). A DMuon optimizer turns its shard geometry into
+``ShardedMatrix`` descriptions (``sharded_matrices``), builds the executor from them
+(``build_engine``) and hands it to its inner ``ShardedMuonStep``, together with the overlap's
+inputs (a read-only ``DMuonView``). Checkpoint code lives in ``state_dict``.
 """
 
 from __future__ import annotations
