@@ -7,7 +7,7 @@ sharded exactly like Adam's ``exp_avg``), the owner-centric executor gathers eve
 one owner in the stage's DP x TP group, orthogonalises it there and sends the pieces
 back, and each rank applies ``W <- W (1 - lr wd) - lr * scale * O`` to its shard.
 
-Construction flows one way. ``build_dmuon_optimizer`` builds the process groups once
+Construction flows one way. ``factory.build_dmuon_optimizer`` builds the process groups once
 (``groups.DMuonGroups``) and constructs the distributed optimizers itself
 (``compat.build_distributed_optimizer``). A DMuon optimizer turns its shard geometry into
 ``ShardedMatrix`` descriptions (``sharded_matrices``), builds the executor from them
@@ -17,7 +17,6 @@ inputs (a read-only ``DMuonView``). Checkpoint code lives in ``state_dict``.
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 from dataclasses import dataclass
@@ -26,7 +25,6 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 
@@ -34,13 +32,12 @@ from ..muon import momentum_update
 from ..owner_centric import OwnerCentricNS, Piece, ShardedMatrix
 from ..plan import UnitTask, flops_cost, plan_owners
 from . import compat
-from .params import full_shape, is_muon_matrix, muon_units, tp_partition_dim
+from .params import full_shape, muon_units, tp_partition_dim
 from .state_dict import AdamStateMixin, DMuonStateMixin
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DMuonDistributedOptimizer", "SubsetDistributedOptimizer", "build_dmuon_optimizer",
-           "ShardedMuonStep", "DMuonView", "flat_offsets", "exchange_group", "sharded_matrices", "build_engine"]
+__all__ = ["DMuonDistributedOptimizer", "SubsetDistributedOptimizer", "ShardedMuonStep", "DMuonView", "flat_offsets", "exchange_group", "sharded_matrices", "build_engine"]
 
 
 class _SubsetMixin:
@@ -63,7 +60,7 @@ class _SubsetMixin:
     # -- ZeRO-3 (megatron_muon.megatron.zero3): owned parameters live in per-bucket shards --
     @functools.cached_property
     def zero3(self) -> bool:
-        """Fixed once built: ``build_dmuon_optimizer`` shards the chunks first."""
+        """Fixed once built: ``factory.build_dmuon_optimizer`` shards the chunks first."""
         from .zero3 import zero3s
 
         return bool(zero3s(self.model_chunks))
@@ -211,7 +208,7 @@ class ShardedMuonStep(torch.optim.Optimizer):
 class DMuonDistributedOptimizer(DMuonStateMixin, _SubsetMixin, DistributedOptimizer):
     """``DistributedOptimizer`` whose inner step is owner-centric Muon (``optimizer='dmuon'``).
 
-    Built by ``build_dmuon_optimizer``; ``replicate=True`` gives the ``'muon_naive'``
+    Built by ``factory.build_dmuon_optimizer``; ``replicate=True`` gives the ``'muon_naive'``
     baseline (every rank gathers and orthogonalises every matrix).
     """
 
@@ -456,73 +453,3 @@ def _unit_cost(cfg):
         dev = compat.device()
         return lambda shape: tuner.time(shape[0], shape[1], 1, dtype, dev)
     return flops_cost(cfg.muon_num_ns_steps)
-
-# ---------------------------------------------------------------------- factory
-def _split_groups(param_groups, is_muon):
-    muon, adam = [], []
-    for g in param_groups:
-        muon.append({**g, "params": [p for p in g["params"] if is_muon(p)]})
-        adam.append({**g, "params": [p for p in g["params"] if not is_muon(p)]})
-    return muon, adam
-
-
-def build_dmuon_optimizer(config, model_chunks, config_overrides=None,
-                          use_gloo_process_groups: bool = True, pg_collection=None,
-                          dump_param_to_param_group_map=None):
-    """``ChainedOptimizer([DMuon for hidden matrices, AdamW DistributedOptimizer for the rest])``."""
-    from .config import DMuonOptimizerConfig
-    from .groups import DMuonGroups
-
-    if not isinstance(config, DMuonOptimizerConfig):
-        raise ValueError(f"optimizer={config.optimizer!r} needs a megatron_muon.DMuonOptimizerConfig")
-    groups = DMuonGroups.build(pg_collection, model_chunks, use_gloo_process_groups)
-    compat.check_supported(config, model_chunks, groups)
-    if config.dmuon_zero3:
-        from .zero3 import shard_model
-
-        shard_model(model_chunks)
-    names = {}
-    for chunk in model_chunks:
-        for name, p in chunk.named_parameters():
-            names[p] = name
-    muon_set = {p for p, n in names.items()
-                if p.requires_grad and is_muon_matrix(n, p, config.dmuon_adam_params)}
-    if dist.get_rank() == 0:
-        logger.info("%s: Muon takes %d matrices: %s", config.optimizer, len(muon_set),
-                    ", ".join(sorted({names[p] for p in muon_set}))[:2000])
-        logger.info("%s: AdamW takes %s", config.optimizer,
-                    ", ".join(sorted({n for p, n in names.items() if p not in muon_set}))[:2000])
-
-    adam_config = copy.copy(config)
-    adam_config.optimizer = "adam"
-    param_groups = compat.get_param_groups(model_chunks, adam_config, config_overrides)
-    replicate = config.optimizer == "muon_naive"
-
-    # Dense and expert parameters live in separate DDP buffers with their own DP groups;
-    # each gets a DMuon (Muon matrices) and an AdamW (the rest) over its buffers.  DMuons
-    # come first: the last AdamW's param all-gather publishes every buffer.
-    muon_opts, adam_opts = [], []
-    for expert in (False, True):
-        selected = [g for g in param_groups if bool(g.get("is_expert_parallel")) == expert]
-        if not any(g["params"] for g in selected):
-            continue
-        muon_groups, adam_groups = _split_groups(selected, lambda p: p in muon_set)
-        muon_kw = dict(muon_config=config, replicate=replicate, expert=expert, groups=groups)
-        for gs, cls, kw, dst in ((muon_groups, DMuonDistributedOptimizer, muon_kw, muon_opts),
-                                 (adam_groups, SubsetDistributedOptimizer, {}, adam_opts)):
-            if not expert or any(g["params"] for g in gs):
-                opt = compat.build_distributed_optimizer(adam_config, model_chunks, gs, cls,
-                                                         groups, expert=expert, cls_kwargs=kw)
-                opt.config = config  # ChainedOptimizer wants one shared config
-                dst.append(opt)
-    for opt in muon_opts:
-        opt.publish_params = False
-    chained = ChainedOptimizer(muon_opts + adam_opts)
-    if config.dmuon_trace_dir:
-        import atexit
-
-        from .tracing import enable_tracing, save_trace
-
-        enable_tracing(model_chunks, chained)
-        atexit.register(save_trace, config.dmuon_trace_dir)
-    return chained
