@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,7 @@ class ShardedMatrix:
     tp_dim: Optional[int]  # None: every TP rank holds a full replica
     tp_size: int
     pieces: tuple[Piece, ...]
-    bucket: int = 0
+    bucket: Hashable = 0  # exchange key: matrices of one bucket move in one all-to-all
 
     def unit_key(self, i: int) -> str:
         return f"{self.key}#{i}"
@@ -195,8 +195,8 @@ class OwnerCentricNS:
         # units in order, pieces in order, elements in local flat order.  Both sides
         # compress the same element map, so they cut it into the same blocks.
         world = range(self.world)
-        gather: dict[int, _Table] = {}
-        scatter: dict[int, _Table] = {}
+        gather: dict[Hashable, _Table] = {}
+        scatter: dict[Hashable, _Table] = {}
         self.local_copy: list = []  # naive mode: this rank's pieces of its own results
         for mat in self.matrices:
             g = gather.setdefault(mat.bucket, _Table([[] for _ in world], [[] for _ in world],
@@ -279,7 +279,7 @@ class OwnerCentricNS:
                 _view(dst, *view).copy_(recv[off: off + h * w].view(h, w))
                 off += h * w
 
-    def gather(self, local: torch.Tensor, bucket: int, owned: torch.Tensor,
+    def gather(self, local: torch.Tensor, bucket: Hashable, owned: torch.Tensor,
                async_op: bool = False):
         """Pieces of this bucket's units -> their owners' unit buffers."""
         return self._exchange(self.gather_tables[bucket], local, owned, "gather", async_op)
@@ -295,7 +295,7 @@ class OwnerCentricNS:
             out[off: off + count * m * n].view(count, m, n).copy_(o).mul_(scale)
         return out
 
-    def scatter(self, result: torch.Tensor, bucket: int, local_out: torch.Tensor,
+    def scatter(self, result: torch.Tensor, bucket: Hashable, local_out: torch.Tensor,
                 async_op: bool = False):
         """Owners' results -> every holder's pieces of this bucket."""
         return self._exchange(self.scatter_tables[bucket], result, local_out, "scatter",

@@ -16,11 +16,9 @@ from megatron_muon.megatron.compat import MCORE_VERSION
 
 PACKAGE = pathlib.Path(hooks.__file__).resolve().parents[1]  # megatron_muon/
 ALLOWED = {"megatron/hooks.py", "megatron/compat.py"}
-# Known sites still to move into compat.py / hooks.py, with the file's owner; an entry that
-# no longer matches anything fails the test (remove it then).
-# islands.py (IsoLoCo islands, another part of issue #15) rebinds parallel_state globals.
-PENDING = {("megatron/islands.py", "setattr(ps, ...)"),
-           ("megatron/islands.py", "ps.create_group = ... (a Megatron module or class)")}
+# Known sites still to move into compat.py / hooks.py; an entry that no longer matches
+# anything fails the test (remove it then).
+PENDING: set = set()
 
 
 class FakeBucketGroup:

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from packaging.version import Version
 
 import megatron.core
 import megatron.core.optimizer as mcore_optimizer
-from megatron.core.process_groups_config import ProcessGroupCollection
 
 __all__ = ["MCORE_VERSION", "device", "ns_function", "get_param_groups",
            "build_distributed_optimizer", "check_supported", "prepare_torch_adam_for_load",
            "load_optimizer_state", "DDP_TAKES_PARAM_LAYOUT", "ddp_buffer_class",
-           "relayout_buffer"]
+           "relayout_buffer", "initialize_island_model_parallel"]
 
 MCORE_VERSION = Version(getattr(megatron.core, "__version__", "0.0.0"))
 
@@ -59,51 +59,105 @@ def get_param_groups(model_chunks, config, config_overrides=None):
     return mcore_optimizer._get_param_groups(model_chunks, config, config_overrides)
 
 
-@contextmanager
-def _distributed_optimizer_class(cls):
-    """Let Megatron's own construction code build ``cls`` instead of DistributedOptimizer."""
-    saved = mcore_optimizer.DistributedOptimizer
-    mcore_optimizer.DistributedOptimizer = cls
-    try:
-        yield
-    finally:
-        mcore_optimizer.DistributedOptimizer = saved
+def _inner_adam(config, model_chunks, param_groups) -> tuple:
+    """``(torch optimizer, init_state_fn)`` exactly as Megatron picks them for ``'adam'``.
 
-
-def build_distributed_optimizer(config, model_chunks, param_groups, cls, use_gloo: bool = True,
-                                pg_collection: Optional[ProcessGroupCollection] = None,
-                                expert: bool = False):
-    """Build a DistributedOptimizer subclass over ``param_groups`` exactly as Megatron would.
-
-    Megatron's ``_get_megatron_optimizer_based_on_param_groups`` picks the Adam
-    implementation (TE / apex / torch), the grad scaler and the process groups; we only
-    substitute the class.
+    0.19 exposes this step (``skip_megatron_wrapping=True``); on 0.16 the same lines of its
+    ``_get_megatron_optimizer_based_on_param_groups`` (Adam from TE / apex / torch, the
+    precision-aware options, the state initialiser) are repeated here.
     """
-    groups = ProcessGroupCollection.setup_process_groups_for_optimizer(
-        pg_collection, model_chunks, use_gloo)
-    dp_cp, intra = groups["dp_cp_group"], groups["intra_dp_cp_group"]
+    if config.optimizer != "adam":
+        raise ValueError(f"internal: the inner optimizer is Adam, not {config.optimizer!r}")
+    if getattr(config, "optimizer_cpu_offload", False):
+        raise ValueError("optimizer='dmuon' does not support optimizer_cpu_offload; turn it off")
+    build = mcore_optimizer._get_megatron_optimizer_based_on_param_groups
+    if "skip_megatron_wrapping" in inspect.signature(build).parameters:
+        return build(config=config, model_chunks=model_chunks, param_groups=param_groups,
+                     skip_megatron_wrapping=True)
+    if not param_groups:
+        return None, None
+    kwargs = dict(params=param_groups, lr=config.lr, weight_decay=config.weight_decay,
+                  betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+    if mcore_optimizer.USING_PYTORCH_OPTIMIZER:
+        adam_cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
+    else:
+        kwargs["adam_w_mode"] = config.decoupled_weight_decay
+        adam_cls = mcore_optimizer.Adam
+    if config.use_precision_aware_optimizer:
+        kwargs.update(exp_avg_dtype=config.exp_avg_dtype, exp_avg_sq_dtype=config.exp_avg_sq_dtype)
+        if config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            kwargs.update(master_weights=True, use_decoupled_grad=True,
+                          master_weight_dtype=config.main_params_dtype)
+        from megatron.core.utils import is_te_min_version
+
+        if is_te_min_version("2.1.0.dev0"):
+            kwargs["store_param_remainders"] = config.store_param_remainders
+    optimizer = adam_cls(**kwargs)
+
+    def init_state_fn(opt, config=None):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if len(opt.state[p]) == 0:
+                    if config is None or not config.use_precision_aware_optimizer:
+                        opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                        opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+                    else:
+                        opt.initialize_state(p)
+
+    return optimizer, init_state_fn
+
+
+def _grad_scaler(config):
+    """Megatron's choice: a constant scaler for ``loss_scale``, a dynamic one for fp16."""
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+
+    if config.loss_scale:
+        return ConstantGradScaler(config.loss_scale)
+    if config.fp16:
+        return DynamicGradScaler(initial_scale=config.initial_loss_scale,
+                                 min_scale=config.min_loss_scale, growth_factor=2.0,
+                                 backoff_factor=0.5, growth_interval=config.loss_scale_window,
+                                 hysteresis=config.hysteresis)
+    return None
+
+
+def build_distributed_optimizer(config, model_chunks, param_groups, cls, groups,
+                                expert: bool = False, cls_kwargs=None):
+    """Build ``cls`` (a DistributedOptimizer subclass) over ``param_groups`` as Megatron would.
+
+    The same steps as Megatron's ``_get_megatron_optimizer_based_on_param_groups`` for a
+    distributed optimizer -- the inner Adam (``_inner_adam``), the grad scaler, the buffers
+    and process groups, ``grad_stats_parallel_group`` and ``tp_group`` -- with ``cls``
+    constructed here directly (no Megatron attribute is replaced). ``groups`` is the
+    factory's ``DMuonGroups`` (its ``optimizer`` dict: Megatron's
+    ``setup_process_groups_for_optimizer``); ``cls_kwargs`` go to ``cls``.
+    """
+    pg = groups.optimizer
+    dp_cp, intra = pg["dp_cp_group"], pg["intra_dp_cp_group"]
     if dp_cp.size() > intra.size():
         raise ValueError("optimizer='dmuon' does not support num_distributed_optimizer_instances > 1")
     attr = "expert_parallel_buffers" if expert else "buffers"
     buffers = {i: getattr(c, attr) for i, c in enumerate(model_chunks) if getattr(c, attr, None)}
     if expert:
-        mp, dp = groups["expt_tp_pp_group"], groups["intra_expt_dp_group"]
-        dp_gloo = groups["intra_expt_dp_group_gloo"] if use_gloo else None
+        mp, dp = pg["expt_tp_pp_group"], pg["intra_expt_dp_group"]
+        dp_gloo = pg.get("intra_expt_dp_group_gloo")
     else:
-        mp, dp, dp_gloo = groups["mp_group"], intra, groups["intra_dp_cp_group_gloo"]
-    with _distributed_optimizer_class(cls):
-        return mcore_optimizer._get_megatron_optimizer_based_on_param_groups(
-            config=config, model_chunks=model_chunks, param_groups=param_groups,
-            per_model_buffers=buffers, model_parallel_group=mp, data_parallel_group=dp,
-            data_parallel_group_gloo=dp_gloo, data_parallel_group_idx=mp.rank(),
-            intra_dist_opt_group=groups["intra_dist_opt_group"],
-            distributed_optimizer_instance_id=0, pg_collection=pg_collection)
+        mp, dp, dp_gloo = pg["mp_group"], intra, pg.get("intra_dp_cp_group_gloo")
+    inner, init_state_fn = _inner_adam(config, model_chunks, param_groups)
+    opt = cls(inner, config, _grad_scaler(config), init_state_fn, model_chunks=model_chunks,
+              per_model_buffers=buffers, data_parallel_group=dp, data_parallel_group_gloo=dp_gloo,
+              data_parallel_group_idx=mp.rank(), distributed_optimizer_instance_id=0,
+              **(cls_kwargs or {}))
+    opt.grad_stats_parallel_group = pg["intra_dist_opt_group"]
+    opt.tp_group = groups.tp
+    if MCORE_VERSION >= Version("0.19"):
+        opt.expert_tp_group = groups.expt_tp if groups.expt_tp is not None else groups.tp
+    return opt
 
 
-def check_supported(config, model_chunks) -> None:
-    """Clear errors for layouts DMuon does not handle (instead of a hang or a wrong result)."""
-    from megatron.core import parallel_state
-
+def check_supported(config, model_chunks, groups) -> None:
+    """Clear errors for layouts DMuon does not handle (instead of a hang or a wrong result);
+    ``groups``: the factory's ``DMuonGroups``."""
     if not getattr(config, "use_distributed_optimizer", False):
         raise ValueError(f"optimizer={config.optimizer!r} needs use_distributed_optimizer=True")
     for chunk in model_chunks:
@@ -120,7 +174,7 @@ def check_supported(config, model_chunks) -> None:
         if type(chunk).__name__ in ("FullyShardedDataParallel", "FSDPModule"):
             raise ValueError(f"optimizer={config.optimizer!r} does not support torch FSDP2; "
                              "wrap the model in Megatron DDP with use_distributed_optimizer=True")
-    if parallel_state.get_context_parallel_world_size() > 1:
+    if groups.cp_size > 1:
         raise ValueError(f"optimizer={config.optimizer!r} does not support context parallelism yet")
 
 
@@ -293,3 +347,83 @@ def replace_everywhere(prefix: str, original, replacement) -> None:
         for attr, value in list(vars(module).items()):
             if value is original:
                 setattr(module, attr, replacement)
+
+
+# ----------------------------------------------------------------------------- islands
+@contextmanager
+def _island_groups(num_islands: int, island_size: int, island: int):
+    """While active, every group Megatron's ``parallel_state`` creates is made K times.
+
+    Megatron asks ``create_group`` for a group over ranks of *this* island (global ranks,
+    the island's offset applied); ``torch.distributed.new_group`` must be entered by every
+    rank of the world in the same order, and the islands ask for different rank sets at
+    the same moment. The wrapper therefore creates the group over the same island-local
+    ranks in every island ``j`` (``+ j S``), in island order, and hands Megatron the copy
+    of its own island. ``parallel_state.create_group`` is the one function through which
+    ``initialize_model_parallel`` creates groups (0.16.1 and 0.19.2).
+
+    On megatron-core < 0.19 ``initialize_model_parallel`` has no ``rank_offset`` /
+    ``local_world_size``: it sizes the layout from ``torch.distributed.get_world_size()``
+    and builds ranks with ``RankGenerator(rank_offset=0)``. There, while active, the
+    default world size reads ``S`` and ``RankGenerator`` gets the island's offset (the
+    parameter exists in 0.16). ``torch.distributed.get_rank`` is left alone: the ranks
+    Megatron compares it with are global already.
+    """
+    from megatron.core import parallel_state as ps
+
+    offset = island * island_size
+    real_create = ps.create_group
+    native = "rank_offset" in inspect.signature(ps.initialize_model_parallel).parameters
+
+    def create_group(ranks=None, *args, **kwargs):
+        if ranks is None:
+            raise RuntimeError("initialize_islands: Megatron asked for a group without ranks")
+        local = [int(r) - offset for r in ranks]
+        if any(r < 0 or r >= island_size for r in local):
+            raise RuntimeError(f"initialize_islands: group ranks {list(ranks)} are outside "
+                               f"island {island} (ranks {offset}..{offset + island_size - 1})")
+        mine = None
+        for j in range(num_islands):
+            group = real_create([r + j * island_size for r in local], *args, **kwargs)
+            if j == island:
+                mine = group
+        return mine
+
+    saved = {"create_group": (ps, real_create)}
+    ps.create_group = create_group
+    if not native:
+        import torch.distributed as dist
+
+        real_ws, real_gen = dist.get_world_size, ps.RankGenerator
+
+        def world_size(group=None):
+            return island_size if group is None else real_ws(group)
+
+        class IslandRankGenerator(real_gen):
+            def __init__(self, *args, **kwargs):
+                kwargs["rank_offset"] = offset
+                super().__init__(*args, **kwargs)
+
+        dist.get_world_size, ps.RankGenerator = world_size, IslandRankGenerator
+        saved.update(get_world_size=(dist, real_ws), RankGenerator=(ps, real_gen))
+    try:
+        yield {} if not native else dict(rank_offset=offset, local_world_size=island_size)
+    finally:
+        for name, (owner, value) in saved.items():
+            setattr(owner, name, value)
+
+
+def initialize_island_model_parallel(num_islands: int, island_size: int, island: int,
+                                     **kwargs) -> None:
+    """``parallel_state.initialize_model_parallel`` for island ``island`` of ``num_islands``
+    contiguous blocks of ``island_size`` ranks: every group it creates is island-local.
+
+    Megatron-Core's model building (GPTModel, its layers, DDP and the pipeline schedules on
+    0.16) reads ``parallel_state``, so an island needs its ``parallel_state`` to *be* the
+    island's; 0.19 also takes ``pg_collection`` in most places, which
+    ``megatron_muon.megatron.islands`` builds from the same groups.
+    """
+    from megatron.core import parallel_state as ps
+
+    with _island_groups(num_islands, island_size, island) as extra:
+        ps.initialize_model_parallel(**kwargs, **extra)

@@ -6,19 +6,25 @@ changes: each rank updates the momentum of its shard (element-wise, so state sta
 sharded exactly like Adam's ``exp_avg``), the owner-centric executor gathers every unit on
 one owner in the stage's DP x TP group, orthogonalises it there and sends the pieces
 back, and each rank applies ``W <- W (1 - lr wd) - lr * scale * O`` to its shard.
+
+Construction flows one way. ``factory.build_dmuon_optimizer`` builds the process groups once
+(``groups.DMuonGroups``) and constructs the distributed optimizers itself
+(``compat.build_distributed_optimizer``). A DMuon optimizer turns its shard geometry into
+``ShardedMatrix`` descriptions (``sharded_matrices``), builds the executor from them
+(``build_engine``) and hands it to its inner ``ShardedMuonStep``, together with the overlap's
+inputs (a read-only ``DMuonView``). Checkpoint code lives in ``state_dict``.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
-from types import SimpleNamespace
+from dataclasses import dataclass
+from types import MappingProxyType, SimpleNamespace
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 
@@ -26,12 +32,12 @@ from ..muon import decoupled_update, momentum_update
 from ..owner_centric import OwnerCentricNS, Piece, ShardedMatrix
 from ..plan import UnitTask, flops_cost, plan_owners
 from . import compat
-from .params import full_shape, is_muon_matrix, muon_units, tp_partition_dim
+from .params import full_shape, muon_units, tp_partition_dim
+from .state_dict import AdamStateMixin, DMuonStateMixin
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DMuonDistributedOptimizer", "SubsetDistributedOptimizer", "build_dmuon_optimizer",
-           "ShardedMuonStep"]
+__all__ = ["DMuonDistributedOptimizer", "SubsetDistributedOptimizer", "ShardedMuonStep", "DMuonView", "flat_offsets", "exchange_group", "sharded_matrices", "build_engine"]
 
 
 class _SubsetMixin:
@@ -51,109 +57,10 @@ class _SubsetMixin:
         self.completed_steps += 1
         return super().step_with_ready_grads()
 
-    def _group_state_dict(self, step) -> dict:
-        """Megatron's non-parameter optimizer state, without needing per-parameter state."""
-        groups = []
-        for g in self.optimizer.param_groups:
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "step": step})
-        sd = {"optimizer": {"param_groups": groups}}
-        if self.grad_scaler:
-            sd["grad_scaler"] = self.grad_scaler.state_dict()
-        return sd
-
-    # -- checkpoints: model-space state, reshardable across DP, TP and PP ------------------
-    CHECKPOINT_FORMAT = "megatron_muon_model_space"
-    state_keys: tuple = ("exp_avg", "exp_avg_sq")
-
-    def _managed_in_order(self) -> list:
-        return [p for chunk in self.model_chunks for _, p in chunk.named_parameters()
-                if p in self._managed]
-
-    def _model_space_state(self, model_sharded_state_dict, is_loading: bool) -> dict:
-        """{index: {key: ShardedTensor}} of whole TP-local tensors, one per managed param.
-
-        Each DP rank holds a flat slice of every main param and state tensor; they are
-        summed into whole TP-local tensors over the DP group (zeros elsewhere), and saved
-        as model-space ShardedTensors (DP rank 0 is the main replica), so
-        dist_checkpointing reshards them to any DP / TP / PP layout on load.
-        """
-        from dataclasses import replace
-
-        from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
-        from megatron.core.dist_checkpointing.dict_utils import nested_values
-
-        meta = {}
-        sharded, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
-        for sh in nested_values(sharded):
-            meta[sh.data] = sh
-        params = self._managed_in_order()
-        full = self._gather_model_space(params, empty=is_loading)
-        dp_rank = self.data_parallel_group.rank()
-        out = {}
-        for i, p in enumerate(params):
-            if p not in meta:
-                raise ValueError("model parameter missing from the model sharded_state_dict")
-            sh = meta[p]
-            out[i] = {key: replace(sh, key=f"optimizer.state.{key}.{sh.key}", data=full[key][i],
-                                   dtype=full[key][i].dtype,
-                                   replica_id=(*sh.replica_id[:2], dp_rank))
-                      for key in full}
-        return out
-
-    @torch.no_grad()
-    def _gather_model_space(self, params: list, empty: bool) -> dict:
-        keys = ("param",) + tuple(self.state_keys)
-        sizes = [p.numel() for p in params]
-        dev = params[0].device if params else torch.device("cpu")
-        bufs = {k: torch.zeros(sum(sizes), dtype=torch.float32, device=dev) for k in keys}
-        if not empty and not self.is_stub_optimizer:
-            off = 0
-            for p, n in zip(params, sizes):
-                if p in self.model_param_gbuf_map:
-                    r = self._get_model_param_range_map(p)["param"]
-                    tensors = self._get_main_param_and_optimizer_states(p)
-                    for k in keys:
-                        bufs[k][off + r.start: off + r.end].copy_(tensors[k].view(-1))
-                off += n
-            for k in keys:
-                dist.all_reduce(bufs[k], group=self.data_parallel_group)
-        return {k: [t.view_as(p) for t, p in zip(torch.split(bufs[k], sizes), params)]
-                for k in keys}
-
-    @torch.no_grad()
-    def _load_model_space_state(self, param_state: dict) -> None:
-        params = self._managed_in_order()
-        for i, p in enumerate(params):
-            if p not in self.model_param_gbuf_map:
-                continue
-            r = self._get_model_param_range_map(p)["param"]
-            tensors = self._get_main_param_and_optimizer_states(p)
-            for k, v in param_state[i].items():
-                tensors[k].view(-1).copy_(v.reshape(-1)[r.start: r.end])
-
-    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False,
-                           sharding_type=None, metadata=None):
-        state_dict = self.state_dict()
-        if is_loading:
-            self.load_state_dict(self.state_dict())  # allocate state before it is filled
-        state_dict["param_state"] = self._model_space_state(model_sharded_state_dict or {},
-                                                            is_loading)
-        state_dict["param_state_sharding_type"] = self.CHECKPOINT_FORMAT
-        return state_dict
-
-    def _split_param_state(self, state_dict) -> tuple:
-        state_dict = dict(state_dict)
-        param_state = state_dict.pop("param_state", None)
-        kind = state_dict.pop("param_state_sharding_type", None)
-        if param_state is not None and kind != self.CHECKPOINT_FORMAT:
-            raise ValueError(f"optimizer checkpoint format {kind!r} is not supported here; "
-                             f"megatron_muon writes {self.CHECKPOINT_FORMAT!r}")
-        return state_dict, param_state
-
     # -- ZeRO-3 (megatron_muon.megatron.zero3): owned parameters live in per-bucket shards --
     @functools.cached_property
     def zero3(self) -> bool:
-        """Fixed once built: ``build_dmuon_optimizer`` shards the chunks first."""
+        """Fixed once built: ``factory.build_dmuon_optimizer`` shards the chunks first."""
         from .zero3 import zero3s
 
         return bool(zero3s(self.model_chunks))
@@ -194,54 +101,59 @@ class _SubsetMixin:
         return ranges
 
 
-class SubsetDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
+class SubsetDistributedOptimizer(AdamStateMixin, _SubsetMixin, DistributedOptimizer):
     """Megatron's AdamW distributed optimizer restricted to the non-Muon parameters."""
 
     def __init__(self, optimizer, *args, **kwargs):
         self._init_subset(optimizer)
         super().__init__(optimizer, *args, **kwargs)
 
-    def state_dict(self):
-        # Megatron reads 'step' from per-parameter Adam state, which a rank whose DP shard
-        # holds none of the non-Muon parameters does not have.
-        if not self.is_stub_optimizer and len(self.optimizer.state) == 0:
-            return self._group_state_dict(self.completed_steps)
-        return super().state_dict()
 
-    def load_state_dict(self, state_dict):
-        state_dict, param_state = self._split_param_state(state_dict)
-        steps = {g.get("step") for g in state_dict["optimizer"]["param_groups"]} - {None}
-        if len(steps) == 1:
-            self.completed_steps = int(steps.pop())
-        super().load_state_dict(state_dict)
-        # Megatron (torch-Adam path) gives every parameter the *same* 'step' tensor, which
-        # torch's AdamW then increments once per parameter: un-share it.
-        for st in self.optimizer.state.values():
-            if torch.is_tensor(st.get("step")):
-                st["step"] = st["step"].clone()
-        if param_state is not None:
-            self._load_model_space_state(param_state)
+@dataclass(frozen=True)
+class DMuonView:
+    """What DMuon's overlap (``overlap.DMuonOverlap``) reads of the optimizer, read-only.
+
+    ``shards``: {model param: (shard main param, start, end)} of the Muon parameters this
+    rank holds a slice of; ``bucket_of``: {model param: engine bucket key}; ``publish``:
+    copies one updated main param into the model's param buffer.
+    """
+
+    model_chunks: tuple
+    bucket_of: Mapping
+    shards: Mapping
+    grad_scaler: Any
+    publish: Callable
+
+
+def flat_offsets(param_groups) -> tuple:
+    """({main param: offset}, total): where each shard main param sits in the flat buffer
+    of DMuon's step (group by group, parameter by parameter)."""
+    offsets, off = {}, 0
+    for group in param_groups:
+        for p in group["params"]:
+            offsets[p] = off
+            off += p.numel()
+    return offsets, off
 
 
 class ShardedMuonStep(torch.optim.Optimizer):
     """Inner optimizer of DMuon: momentum on the shards, NS on the owners, update on the shards."""
 
-    def __init__(self, param_groups, engine_factory, *, momentum: float, nesterov: bool,
-                 check_finite: bool):
+    def __init__(self, param_groups, engine: OwnerCentricNS, *, momentum: float, nesterov: bool,
+                 check_finite: bool, overlap: Optional[dict] = None):
         # The shard main params are views (non-leaf for fp32 models), which torch's
         # add_param_group refuses; Megatron installs its groups the same direct way.
         super().__init__([torch.zeros(1, requires_grad=True)], dict(lr=0.0, weight_decay=0.0))
         self.param_groups = list(param_groups)
         self.momentum, self.nesterov, self.check_finite = momentum, nesterov, check_finite
-        self.offsets: dict[torch.Tensor, int] = {}
-        off = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                self.offsets[p] = off
-                off += p.numel()
-        self.numel = off
-        self.engine: OwnerCentricNS = engine_factory(self.offsets)
-        self.overlap = None  # a DMuonOverlap, installed by the DMuon optimizer
+        self.offsets, self.numel = flat_offsets(self.param_groups)
+        self.engine = engine
+        # overlap: DMuonOverlap's keyword arguments (a DMuonView and its flags), or None
+        self.overlap = None
+        if overlap is not None:
+            from .overlap import DMuonOverlap
+
+            self.overlap = DMuonOverlap(step=self, **overlap)
         # No 'step' in the param groups: Megatron's ChainedOptimizer._synchronize_steps
         # compares every group's 'step', and after a checkpoint load the AdamW groups hold a
         # 'step' that torch's AdamW never advances (it counts per parameter).  A counter here
@@ -293,10 +205,10 @@ class ShardedMuonStep(torch.optim.Optimizer):
         decoupled_update(p, o, lr, 1.0 - lr * wd)
 
 
-class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
+class DMuonDistributedOptimizer(DMuonStateMixin, _SubsetMixin, DistributedOptimizer):
     """``DistributedOptimizer`` whose inner step is owner-centric Muon (``optimizer='dmuon'``).
 
-    Built by ``build_dmuon_optimizer``; ``replicate=True`` gives the ``'muon_naive'``
+    Built by ``factory.build_dmuon_optimizer``; ``replicate=True`` gives the ``'muon_naive'``
     baseline (every rank gathers and orthogonalises every matrix).
     """
 
@@ -305,8 +217,11 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
 
     def __init__(self, optimizer, config, grad_scaler, init_state_fn, model_chunks,
                  per_model_buffers, data_parallel_group, *args, muon_config=None,
-                 replicate: bool = False, expert: bool = False, **kwargs):
-        self.expert = expert
+                 replicate: bool = False, expert: bool = False, groups=None, **kwargs):
+        if groups is None:
+            raise ValueError("DMuonDistributedOptimizer needs groups= (a DMuonGroups); build it "
+                             "with megatron_muon.megatron.factory.get_megatron_optimizer")
+        self.expert, self.groups = expert, groups
         self._init_subset(optimizer)
         super().__init__(optimizer, config, grad_scaler, init_state_fn, model_chunks,
                          per_model_buffers, data_parallel_group, *args, **kwargs)
@@ -314,142 +229,50 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
         self.replicate = replicate
         if self.is_stub_optimizer:
             return
-        groups = self.optimizer.param_groups
-        self.optimizer = ShardedMuonStep(
-            groups, self._build_engine, momentum=muon_config.muon_momentum,
-            nesterov=muon_config.muon_nesterov, check_finite=muon_config.dmuon_check_finite)
-        self.init_state_fn = lambda opt, config=None: opt.init_state()
+        param_groups = self.optimizer.param_groups
+        offsets, _ = flat_offsets(param_groups)
+        held, mains, bucket_of = self._shard_geometry(offsets)
+        matrices, group = sharded_matrices(self.model_chunks, self._managed, held, bucket_of,
+                                           self.groups, muon_config, expert=expert)
+        engine, self.plan = build_engine(matrices, group, muon_config, replicate=replicate,
+                                         local_numel=sum(p.numel() for p in offsets))
+        overlap = None
         if muon_config.overlap_enabled:  # dmuon_overlap resolved ('auto': off under ZeRO-3)
-            from .overlap import DMuonOverlap
-
             ddp = self.ddp_config
             param_update = muon_config.dmuon_overlap_param_update and not (
                 getattr(ddp, "fp8_param_gather", False) or getattr(ddp, "use_megatron_fsdp", False)
                 or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
-            self.optimizer.overlap = DMuonOverlap(
-                self, bucket_gather=muon_config.dmuon_overlap_bucket_gather,
-                param_update=param_update)
+            view = DMuonView(
+                model_chunks=tuple(self.model_chunks), bucket_of=MappingProxyType(bucket_of),
+                shards=MappingProxyType({p: (mains[p], held[p][0], held[p][1]) for p in held}),
+                grad_scaler=self.grad_scaler, publish=self.publish_param)
+            overlap = dict(view=view, bucket_gather=muon_config.dmuon_overlap_bucket_gather,
+                           param_update=param_update)
+        self.optimizer = ShardedMuonStep(
+            param_groups, engine, momentum=muon_config.muon_momentum,
+            nesterov=muon_config.muon_nesterov, check_finite=muon_config.dmuon_check_finite,
+            overlap=overlap)
+        self.init_state_fn = lambda opt, config=None: opt.init_state()
 
-    # -- geometry ---------------------------------------------------------------------
-    def _build_engine(self, offsets: dict) -> OwnerCentricNS:
-        cfg = self.muon_config
-        matrix = cfg.dmuon_placement == "matrix"
-        if self.expert:  # experts: planned over their expert-data-parallel group
-            if parallel_state.get_expert_tensor_parallel_world_size() != 1:
-                raise ValueError("optimizer='dmuon' supports MoE experts with expert tensor "
-                                 "parallel size 1 only (set expert_tensor_parallel_size=1)")
-            group, tp_size, tp_rank = parallel_state.get_expert_data_parallel_group(), 1, 0
-            if matrix:  # every expert matrix is whole on its DP owner: nothing to exchange
-                group = parallel_state.get_expert_tensor_parallel_group()
-        elif cfg.dmuon_tp_mode == "blockwise":  # each TP shard is a matrix of its own
-            group = None if matrix else parallel_state.get_data_parallel_group(
-                with_context_parallel=False)
-            tp_size, tp_rank = 1, 0
-        else:
-            # matrix placement: a unit's TP shards sit on one DP rank's TP group
-            group = parallel_state.get_tensor_model_parallel_group() if matrix else \
-                parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=False)
-            tp_size = parallel_state.get_tensor_model_parallel_world_size()
-            tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        model_config = self.model_chunks[0].config
-        blockwise = cfg.dmuon_tp_mode == "blockwise" and not self.expert
-        if blockwise:  # the attention geometry of one TP shard
-            real_tp = parallel_state.get_tensor_model_parallel_world_size()
-            heads = model_config.num_attention_heads
-            model_config = SimpleNamespace(
-                num_attention_heads=heads // real_tp,
-                num_query_groups=(model_config.num_query_groups or heads) // real_tp,
-                kv_channels=model_config.kv_channels or model_config.hidden_size // heads,
-                hidden_size=model_config.hidden_size,
-                gated_linear_unit=model_config.gated_linear_unit)
-        world = dist.get_world_size(group) if group is not None else 1
-
-        # Every Muon matrix of this stage, in an order all ranks agree on.
-        names = {}
-        for ci, chunk in enumerate(self.model_chunks):
-            for name, p in chunk.named_parameters():
-                names[p] = (ci, name)
-        muon_params = [p for p in names if p in self._managed]
-        muon_params.sort(key=lambda p: names[p])
+    def _shard_geometry(self, offsets: dict) -> tuple:
+        """This rank's slice of every Muon parameter it holds, from Megatron's range maps:
+        ``held`` {model param: (start, end, offset in the flat shard buffer)}, ``mains``
+        {model param: its shard main param} and ``bucket_of`` {model param: (buffer index,
+        bucket id)}."""
         bucket_of = {}
         for bi, buffer in enumerate(self.buffers):
             for p, (_, _, bucket_id) in buffer.param_index_map.items():
                 if p in self._managed:
-                    bucket_of[p] = bi * 100_000 + bucket_id
-        self.engine_bucket_of = bucket_of
-
-        mine = []
-        for p in muon_params:
+                    bucket_of[p] = (bi, bucket_id)
+        held, mains = {}, {}
+        for p in self._managed:
             if p not in self.model_param_gbuf_map:
                 continue
             r = self._get_model_param_range_map(p)["param"]
             gi, go = self.model_param_group_index_map[p]
-            main = self.optimizer.param_groups[gi]["params"][go] if hasattr(
-                self.optimizer, "param_groups") else None
-            mine.append((f"{names[p][0]}:{names[p][1]}", r.start, r.end, offsets[main]))
-        gathered = [None] * world
-        info = (tp_rank, [f"{names[p][0]}:{names[p][1]}" for p in muon_params], mine)
-        if group is None:
-            gathered = [info]
-        else:
-            dist.all_gather_object(gathered, info, group=group)
-        keys = gathered[0][1]
-        for g in gathered[1:]:
-            if g[1] != keys:
-                raise RuntimeError("DMuon: ranks of one pipeline stage disagree on the Muon "
-                                   "parameters; every DP x TP rank must build the same model")
-        pieces = {k: [] for k in keys}
-        for grank, (trank, _, held) in enumerate(gathered):
-            for key, start, end, local_offset in held:
-                pieces[key].append((grank, trank, start, end, local_offset))
-        matrices = []
-        for p in muon_params:
-            key = f"{names[p][0]}:{names[p][1]}"
-            dim = None if blockwise else tp_partition_dim(p)
-            if matrix:
-                if not pieces[key]:
-                    continue  # lives whole on another DP rank
-                self._check_whole(key, p, pieces[key], tp_size if dim is not None else world)
-            shape = tuple(p.shape) if blockwise else full_shape(p, tp_size)
-            units = muon_units(names[p][1], shape, model_config, split_qkv=cfg.muon_split_qkv,
-                               split_fc1=cfg.dmuon_split_fc1, tp_size=tp_size)
-            ps = tuple(Piece(rank=g, tp_rank=t, start=s, end=e, local_offset=o,
-                             source=dim is not None or t == 0)
-                       for g, t, s, e, o in sorted(pieces[key]))
-            matrices.append(ShardedMatrix(key=key, shape=shape, units=tuple(units), tp_dim=dim,
-                                          tp_size=tp_size, pieces=ps, bucket=bucket_of[p]))
-        cost = self._unit_cost()
-        tasks = [UnitTask(m.unit_key(i), u.shape, cost(u.shape), 4 * u.numel)
-                 for m in matrices for i, u in enumerate(m.units)]
-        holdings = {}
-        for m in matrices:
-            total = m.shape[0] * m.shape[1]
-            for i, u in enumerate(m.units):
-                held = [0] * world
-                for pc in m.pieces:  # proportional estimate for split (QKV, gate/up) units
-                    held[pc.rank] += (pc.end - pc.start) * u.numel // total
-                holdings[m.unit_key(i)] = held
-        plan = plan_owners(tasks, world,
-                           holdings=None if self.replicate else holdings,
-                           locality_slack=cfg.dmuon_locality_slack)
-        digests = [plan.digest] * world
-        if group is not None:
-            dist.all_gather_object(digests, plan.digest, group=group)
-        if len(set(digests)) != 1:
-            raise RuntimeError(f"DMuon: owner plans differ across ranks ({digests}); the plan "
-                               "must be deterministic (same model, same tuner cache on all ranks)")
-        self.plan = plan
-        if cfg.dmuon_log_plan and dist.get_rank() == 0:
-            logger.info("DMuon %s\n%s", "naive (replicated)" if self.replicate else "",
-                        plan.summary())
-        ns_dtype = torch.bfloat16 if cfg.muon_fp32_matmul_prec == "medium" else torch.float32
-        device = compat.device()
-        return OwnerCentricNS(
-            matrices, plan, group, ns_steps=cfg.muon_num_ns_steps,
-            coefficients=cfg.muon_coefficient_type, scale_mode=cfg.muon_scale_mode,
-            extra_scale_factor=cfg.muon_extra_scale_factor, ns_dtype=ns_dtype, device=device,
-            replicate=self.replicate, ns_fn=compat.ns_function(cfg),
-            local_numel=sum(p.numel() for p in offsets))
+            mains[p] = self.optimizer.param_groups[gi]["params"][go]
+            held[p] = (r.start, r.end, offsets[mains[p]])
+        return held, mains, bucket_of
 
     @torch.no_grad()
     def publish_param(self, model_param, main_param) -> None:
@@ -462,34 +285,6 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
         if not self.is_stub_optimizer and self.optimizer.overlap is not None:
             self.optimizer.overlap.flush_all()
 
-    def sharded_state_dict(self, *args, **kwargs):
-        self.finish_deferred()
-        return super().sharded_state_dict(*args, **kwargs)
-
-    @staticmethod
-    def _check_whole(key, p, pieces, holders: int) -> None:
-        """Matrix placement: this DP rank's TP group must hold every TP shard of ``p`` whole
-        (``holders``: how many TP shards or replicas the group holds)."""
-        held = {}
-        for _, trank, start, end, _ in pieces:
-            held[trank] = held.get(trank, 0) + end - start
-        if len(held) != holders or any(n != p.numel() for n in held.values()):
-            raise ValueError(
-                f"dmuon_placement='matrix': {key} is not whole on one data-parallel rank "
-                f"(TP shard elements held here: {held}, need {p.numel()} each). Build the "
-                "DDP model inside megatron_muon.megatron.matrix_placement.matrix_placement(...)")
-
-    def _unit_cost(self):
-        cfg = self.muon_config
-        if cfg.dmuon_plan_cost == "tuner":
-            from ..kernels import NSTuner
-
-            tuner = NSTuner(cache_path=cfg.dmuon_tuner_cache)
-            dtype = torch.bfloat16 if cfg.muon_fp32_matmul_prec == "medium" else torch.float32
-            dev = compat.device()
-            return lambda shape: tuner.time(shape[0], shape[1], 1, dtype, dev)
-        return flops_cost(cfg.muon_num_ns_steps)
-
     # -- Megatron hooks ---------------------------------------------------------------
     @property
     def optimizer_state_keys(self):
@@ -497,28 +292,6 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
 
     def _get_state_key_dtype(self, key):
         return torch.float32
-
-    def state_dict(self):
-        return self._group_state_dict(self.completed_steps)
-
-    def load_state_dict(self, state_dict):
-        """Non-parameter state (groups, step, grad scaler) plus the sharded param state."""
-        self.finish_deferred()
-        state_dict, param_state = self._split_param_state(state_dict)
-        if self.is_stub_optimizer:
-            return
-        self.optimizer.init_state()
-        saved = state_dict["optimizer"]["param_groups"]
-        if len(saved) != len(self.optimizer.param_groups):
-            raise ValueError(f"checkpoint has {len(saved)} DMuon param groups, this model "
-                             f"{len(self.optimizer.param_groups)}")
-        for group, sg in zip(self.optimizer.param_groups, saved):
-            group.update({k: v for k, v in sg.items() if k not in ("params", "step")})
-        self.completed_steps = int(saved[0].get("step", 0)) if saved else 0
-        if self.grad_scaler and "grad_scaler" in state_dict:
-            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
-        if param_state is not None:
-            self._load_model_space_state(param_state)
 
     def step_with_ready_grads(self) -> bool:
         if self.publish_params:
@@ -541,76 +314,142 @@ class DMuonDistributedOptimizer(_SubsetMixin, DistributedOptimizer):
                     overlap=overlap.stats.as_dict() if overlap is not None else None)
 
 
-# ---------------------------------------------------------------------- factory
-def _split_groups(param_groups, is_muon):
-    muon, adam = [], []
-    for g in param_groups:
-        muon.append({**g, "params": [p for p in g["params"] if is_muon(p)]})
-        adam.append({**g, "params": [p for p in g["params"] if not is_muon(p)]})
-    return muon, adam
+# ---------------------------------------------------------------------- geometry
+def exchange_group(groups, cfg, expert: bool) -> tuple:
+    """``(group, tp_size, tp_rank)``: the group DMuon's owners and holders exchange over, and
+    how the matrices' TP shards are counted in it (``groups``: a ``DMuonGroups``)."""
+    matrix = cfg.dmuon_placement == "matrix"
+    if expert:  # experts: planned over their expert-data-parallel group
+        if groups.expt_tp_size != 1:
+            raise ValueError("optimizer='dmuon' supports MoE experts with expert tensor "
+                             "parallel size 1 only (set expert_tensor_parallel_size=1)")
+        # matrix placement: every expert matrix is whole on its DP owner, nothing to exchange
+        return (groups.expt_tp if matrix else groups.expt_dp), 1, 0
+    if cfg.dmuon_tp_mode == "blockwise":  # each TP shard is a matrix of its own
+        return (None if matrix else groups.dp), 1, 0
+    # matrix placement: a unit's TP shards sit on one DP rank's TP group
+    return (groups.tp if matrix else groups.tp_dp), groups.tp_size, groups.tp_rank
 
 
-def build_dmuon_optimizer(config, model_chunks, config_overrides=None,
-                          use_gloo_process_groups: bool = True, pg_collection=None,
-                          dump_param_to_param_group_map=None):
-    """``ChainedOptimizer([DMuon for hidden matrices, AdamW DistributedOptimizer for the rest])``."""
-    from .config import DMuonOptimizerConfig
+def sharded_matrices(model_chunks, managed, held: dict, bucket_of: dict, groups, cfg, *,
+                     expert: bool = False) -> tuple:
+    """``(matrices, group)``: every Muon matrix of this pipeline stage as a ``ShardedMatrix``
+    (which rank of ``group`` holds which piece where), in an order all ranks agree on.
 
-    if not isinstance(config, DMuonOptimizerConfig):
-        raise ValueError(f"optimizer={config.optimizer!r} needs a megatron_muon.DMuonOptimizerConfig")
-    compat.check_supported(config, model_chunks)
-    if config.dmuon_zero3:
-        from .zero3 import shard_model
+    ``managed``: the Muon parameters; ``held``: {param: (start, end, local offset)} of the
+    slices this rank holds; ``bucket_of``: {param: bucket key}. One ``all_gather_object``
+    over the exchange group collects every rank's slices.
+    """
+    group, tp_size, tp_rank = exchange_group(groups, cfg, expert)
+    matrix = cfg.dmuon_placement == "matrix"
+    model_config = model_chunks[0].config
+    blockwise = cfg.dmuon_tp_mode == "blockwise" and not expert
+    if blockwise:  # the attention geometry of one TP shard
+        real_tp = groups.tp_size
+        heads = model_config.num_attention_heads
+        model_config = SimpleNamespace(
+            num_attention_heads=heads // real_tp,
+            num_query_groups=(model_config.num_query_groups or heads) // real_tp,
+            kv_channels=model_config.kv_channels or model_config.hidden_size // heads,
+            hidden_size=model_config.hidden_size,
+            gated_linear_unit=model_config.gated_linear_unit)
+    world = dist.get_world_size(group) if group is not None else 1
 
-        shard_model(model_chunks)
     names = {}
-    for chunk in model_chunks:
+    for ci, chunk in enumerate(model_chunks):
         for name, p in chunk.named_parameters():
-            names[p] = name
-    muon_set = {p for p, n in names.items()
-                if p.requires_grad and is_muon_matrix(n, p, config.dmuon_adam_params)}
-    if dist.get_rank() == 0:
-        logger.info("%s: Muon takes %d matrices: %s", config.optimizer, len(muon_set),
-                    ", ".join(sorted({names[p] for p in muon_set}))[:2000])
-        logger.info("%s: AdamW takes %s", config.optimizer,
-                    ", ".join(sorted({n for p, n in names.items() if p not in muon_set}))[:2000])
+            names[p] = (ci, name)
+    muon_params = sorted((p for p in names if p in managed), key=lambda p: names[p])
+    key_of = {p: f"{names[p][0]}:{names[p][1]}" for p in muon_params}
+    mine = [(key_of[p], *held[p]) for p in muon_params if p in held]
+    info = (tp_rank, [key_of[p] for p in muon_params], mine)
+    gathered = [info]
+    if group is not None:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, info, group=group)
+    keys = gathered[0][1]
+    for g in gathered[1:]:
+        if g[1] != keys:
+            raise RuntimeError("DMuon: ranks of one pipeline stage disagree on the Muon "
+                               "parameters; every DP x TP rank must build the same model")
+    pieces = {k: [] for k in keys}
+    for grank, (trank, _, slices) in enumerate(gathered):
+        for key, start, end, local_offset in slices:
+            pieces[key].append((grank, trank, start, end, local_offset))
+    matrices = []
+    for p in muon_params:
+        key = key_of[p]
+        dim = None if blockwise else tp_partition_dim(p)
+        if matrix:
+            if not pieces[key]:
+                continue  # lives whole on another DP rank
+            _check_whole(key, p, pieces[key], tp_size if dim is not None else world)
+        shape = tuple(p.shape) if blockwise else full_shape(p, tp_size)
+        units = muon_units(names[p][1], shape, model_config, split_qkv=cfg.muon_split_qkv,
+                           split_fc1=cfg.dmuon_split_fc1, tp_size=tp_size)
+        ps = tuple(Piece(rank=g, tp_rank=t, start=s, end=e, local_offset=o,
+                         source=dim is not None or t == 0)
+                   for g, t, s, e, o in sorted(pieces[key]))
+        matrices.append(ShardedMatrix(key=key, shape=shape, units=tuple(units), tp_dim=dim,
+                                      tp_size=tp_size, pieces=ps, bucket=bucket_of[p]))
+    return matrices, group
 
-    adam_config = copy.copy(config)
-    adam_config.optimizer = "adam"
-    param_groups = compat.get_param_groups(model_chunks, adam_config, config_overrides)
-    replicate = config.optimizer == "muon_naive"
 
-    def dmuon_cls(expert):
-        def build(*args, **kwargs):
-            return DMuonDistributedOptimizer(*args, muon_config=config, replicate=replicate,
-                                             expert=expert, **kwargs)
-        return build
+def build_engine(matrices, group, cfg, *, replicate: bool = False,
+                 local_numel: Optional[int] = None) -> tuple:
+    """``(engine, plan)``: the owner plan of ``matrices`` over ``group`` (checked identical on
+    every rank) and the ``OwnerCentricNS`` executor that runs it."""
+    world = dist.get_world_size(group) if group is not None else 1
+    cost = _unit_cost(cfg)
+    tasks = [UnitTask(m.unit_key(i), u.shape, cost(u.shape), 4 * u.numel)
+             for m in matrices for i, u in enumerate(m.units)]
+    holdings = {}
+    for m in matrices:
+        total = m.shape[0] * m.shape[1]
+        for i, u in enumerate(m.units):
+            held = [0] * world
+            for pc in m.pieces:  # proportional estimate for split (QKV, gate/up) units
+                held[pc.rank] += (pc.end - pc.start) * u.numel // total
+            holdings[m.unit_key(i)] = held
+    plan = plan_owners(tasks, world, holdings=None if replicate else holdings,
+                       locality_slack=cfg.dmuon_locality_slack)
+    digests = [plan.digest] * world
+    if group is not None:
+        dist.all_gather_object(digests, plan.digest, group=group)
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"DMuon: owner plans differ across ranks ({digests}); the plan "
+                           "must be deterministic (same model, same tuner cache on all ranks)")
+    if cfg.dmuon_log_plan and dist.get_rank() == 0:
+        logger.info("DMuon %s\n%s", "naive (replicated)" if replicate else "", plan.summary())
+    ns_dtype = torch.bfloat16 if cfg.muon_fp32_matmul_prec == "medium" else torch.float32
+    engine = OwnerCentricNS(
+        matrices, plan, group, ns_steps=cfg.muon_num_ns_steps,
+        coefficients=cfg.muon_coefficient_type, scale_mode=cfg.muon_scale_mode,
+        extra_scale_factor=cfg.muon_extra_scale_factor, ns_dtype=ns_dtype,
+        device=compat.device(), replicate=replicate, ns_fn=compat.ns_function(cfg),
+        local_numel=local_numel)
+    return engine, plan
 
-    # Dense and expert parameters live in separate DDP buffers with their own DP groups;
-    # each gets a DMuon (Muon matrices) and an AdamW (the rest) over its buffers.  DMuons
-    # come first: the last AdamW's param all-gather publishes every buffer.
-    muon_opts, adam_opts = [], []
-    for expert in (False, True):
-        groups = [g for g in param_groups if bool(g.get("is_expert_parallel")) == expert]
-        if not any(g["params"] for g in groups):
-            continue
-        muon_groups, adam_groups = _split_groups(groups, lambda p: p in muon_set)
-        for gs, cls, dst in ((muon_groups, dmuon_cls(expert), muon_opts),
-                             (adam_groups, SubsetDistributedOptimizer, adam_opts)):
-            if not expert or any(g["params"] for g in gs):
-                opt = compat.build_distributed_optimizer(adam_config, model_chunks, gs, cls,
-                                                         use_gloo_process_groups, pg_collection,
-                                                         expert=expert)
-                opt.config = config  # ChainedOptimizer wants one shared config
-                dst.append(opt)
-    for opt in muon_opts:
-        opt.publish_params = False
-    chained = ChainedOptimizer(muon_opts + adam_opts)
-    if config.dmuon_trace_dir:
-        import atexit
 
-        from .tracing import enable_tracing, save_trace
+def _check_whole(key, p, pieces, holders: int) -> None:
+    """Matrix placement: this DP rank's TP group must hold every TP shard of ``p`` whole
+    (``holders``: how many TP shards or replicas the group holds)."""
+    held = {}
+    for _, trank, start, end, _ in pieces:
+        held[trank] = held.get(trank, 0) + end - start
+    if len(held) != holders or any(n != p.numel() for n in held.values()):
+        raise ValueError(
+            f"dmuon_placement='matrix': {key} is not whole on one data-parallel rank "
+            f"(TP shard elements held here: {held}, need {p.numel()} each). Build the "
+            "DDP model inside megatron_muon.megatron.matrix_placement.matrix_placement(...)")
 
-        enable_tracing(model_chunks, chained)
-        atexit.register(save_trace, config.dmuon_trace_dir)
-    return chained
+
+def _unit_cost(cfg):
+    if cfg.dmuon_plan_cost == "tuner":
+        from ..kernels import NSTuner
+
+        tuner = NSTuner(cache_path=cfg.dmuon_tuner_cache)
+        dtype = torch.bfloat16 if cfg.muon_fp32_matmul_prec == "medium" else torch.float32
+        dev = compat.device()
+        return lambda shape: tuner.time(shape[0], shape[1], 1, dtype, dev)
+    return flops_cost(cfg.muon_num_ns_steps)

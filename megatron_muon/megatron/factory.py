@@ -1,17 +1,103 @@
-"""``get_megatron_optimizer``: Megatron-Core's factory, plus ``'dmuon'`` and ``'muon_naive'``."""
+"""``get_megatron_optimizer``: Megatron-Core's factory, plus ``'dmuon'`` and ``'muon_naive'``.
+
+``build_dmuon_optimizer`` builds the process groups once (``DMuonGroups``, from the caller's
+``pg_collection`` or Megatron's ``parallel_state``), splits Megatron's parameter groups into
+Muon matrices and the rest, and constructs the distributed optimizers directly
+(``compat.build_distributed_optimizer``: nothing of Megatron's is replaced), handing each
+the groups it works over.
+"""
 
 from __future__ import annotations
 
+import copy
+import logging
+
+import torch.distributed as dist
+from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.optimizer import get_megatron_optimizer as _mcore_get_megatron_optimizer
 
-__all__ = ["get_megatron_optimizer"]
+from . import compat
+from .dmuon import DMuonDistributedOptimizer, SubsetDistributedOptimizer
+from .groups import DMuonGroups
+from .params import is_muon_matrix
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["get_megatron_optimizer", "build_dmuon_optimizer"]
 
 
 def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
     """Same signature and return type as ``megatron.core.optimizer.get_megatron_optimizer``."""
     name = getattr(config, "optimizer", None)
     if name in ("dmuon", "muon_naive"):
-        from .dmuon import build_dmuon_optimizer
-
         return build_dmuon_optimizer(config, model_chunks, *args, **kwargs)
     return _mcore_get_megatron_optimizer(config, model_chunks, *args, **kwargs)
+
+
+def _split_groups(param_groups, is_muon):
+    muon, adam = [], []
+    for g in param_groups:
+        muon.append({**g, "params": [p for p in g["params"] if is_muon(p)]})
+        adam.append({**g, "params": [p for p in g["params"] if not is_muon(p)]})
+    return muon, adam
+
+
+def build_dmuon_optimizer(config, model_chunks, config_overrides=None,
+                          use_gloo_process_groups: bool = True, pg_collection=None,
+                          dump_param_to_param_group_map=None):
+    """``ChainedOptimizer([DMuon for hidden matrices, AdamW DistributedOptimizer for the rest])``."""
+    from .config import DMuonOptimizerConfig
+
+    if not isinstance(config, DMuonOptimizerConfig):
+        raise ValueError(f"optimizer={config.optimizer!r} needs a megatron_muon.DMuonOptimizerConfig")
+    groups = DMuonGroups.build(pg_collection, model_chunks, use_gloo_process_groups)
+    compat.check_supported(config, model_chunks, groups)
+    if config.dmuon_zero3:
+        from .zero3 import shard_model
+
+        shard_model(model_chunks)
+    names = {}
+    for chunk in model_chunks:
+        for name, p in chunk.named_parameters():
+            names[p] = name
+    muon_set = {p for p, n in names.items()
+                if p.requires_grad and is_muon_matrix(n, p, config.dmuon_adam_params)}
+    if dist.get_rank() == 0:
+        logger.info("%s: Muon takes %d matrices: %s", config.optimizer, len(muon_set),
+                    ", ".join(sorted({names[p] for p in muon_set}))[:2000])
+        logger.info("%s: AdamW takes %s", config.optimizer,
+                    ", ".join(sorted({n for p, n in names.items() if p not in muon_set}))[:2000])
+
+    adam_config = copy.copy(config)
+    adam_config.optimizer = "adam"
+    param_groups = compat.get_param_groups(model_chunks, adam_config, config_overrides)
+    replicate = config.optimizer == "muon_naive"
+
+    # Dense and expert parameters live in separate DDP buffers with their own DP groups;
+    # each gets a DMuon (Muon matrices) and an AdamW (the rest) over its buffers.  DMuons
+    # come first: the last AdamW's param all-gather publishes every buffer.
+    muon_opts, adam_opts = [], []
+    for expert in (False, True):
+        selected = [g for g in param_groups if bool(g.get("is_expert_parallel")) == expert]
+        if not any(g["params"] for g in selected):
+            continue
+        muon_groups, adam_groups = _split_groups(selected, lambda p: p in muon_set)
+        muon_kw = dict(muon_config=config, replicate=replicate, expert=expert, groups=groups)
+        for gs, cls, kw, dst in ((muon_groups, DMuonDistributedOptimizer, muon_kw, muon_opts),
+                                 (adam_groups, SubsetDistributedOptimizer, {}, adam_opts)):
+            if not expert or any(g["params"] for g in gs):
+                opt = compat.build_distributed_optimizer(adam_config, model_chunks, gs, cls,
+                                                         groups, expert=expert, cls_kwargs=kw)
+                opt.config = config  # ChainedOptimizer wants one shared config
+                dst.append(opt)
+    for opt in muon_opts:
+        opt.publish_params = False
+    chained = ChainedOptimizer(muon_opts + adam_opts)
+    if config.dmuon_trace_dir:
+        import atexit
+
+        from .tracing import enable_tracing, save_trace
+
+        enable_tracing(model_chunks, chained)
+        atexit.register(save_trace, config.dmuon_trace_dir)
+    return chained

@@ -1,4 +1,4 @@
-"""DiLoCo / IsoLoCo islands over Megatron-Core (SPEC section 5, distributed part).
+"""DiLoCo / IsoLoCo islands over Megatron-Core (docs/design.md, distributed islands).
 
 The world of ``W`` ranks is split into ``K`` islands of ``S = W / K`` ranks: island ``k`` is
 the contiguous block of global ranks ``[k S, (k + 1) S)``. Each island is a complete
@@ -21,17 +21,22 @@ every inner step would cross islands. Two Megatron mechanisms that look close do
   instance, checkpoint code, data loaders) would still see K x DP_island.
 
 What ``initialize_islands`` does instead (verified on megatron-core 0.16.1 and 0.19.2):
-``initialize_model_parallel`` is run with the world *being one island*:
-``torch.distributed.get_world_size()`` answers ``S`` and ``get_rank()`` the island-local rank
-while it runs, and ``parallel_state.create_group`` (the single function through which it
-creates every group) is wrapped so that each group it asks for over local ranks ``R`` is
-created K times, over ``R + j S`` for every island ``j`` -- every rank takes part in every
-``new_group`` call, in the same order, as torch requires -- and the copy of the caller's own
-island is kept. Afterwards the ``*_RANKS`` lists that Megatron stores (``_PIPELINE_GLOBAL_
-RANKS`` and co.) are shifted by ``k S`` to global ranks, and each one is checked against the
-ranks of its process group. The result: every Megatron group -- TP, PP, CP, EP, embedding,
-model-parallel, DP (plain, with CP, partial, gloo), expert DP, the distributed-optimizer
-instance group -- is island-local; ``get_data_parallel_world_size()`` returns DP_island.
+``initialize_model_parallel`` is run for the caller's island only
+(``compat.initialize_island_model_parallel``): on 0.19 with its own ``rank_offset = k S`` and
+``local_world_size = S``; on 0.16, which lacks them, the same two values are supplied while it
+runs (the default world size reads ``S``, Megatron's ``RankGenerator`` gets the offset). The
+ranks Megatron computes and stores (``_PIPELINE_GLOBAL_RANKS`` and co.) are therefore global
+ranks of the island, checked afterwards against the ranks of their process groups.
+``parallel_state.create_group`` (the single function through which it creates every group) is
+wrapped so that each group over island-local ranks ``R`` is created K times, over ``R + j S``
+for every island ``j`` -- every rank takes part in every ``new_group`` call, in the same
+order, as torch requires -- and the copy of the caller's own island is kept. The result:
+every Megatron group -- TP, PP, CP, EP, embedding, model-parallel, DP (plain, with CP,
+partial, gloo), expert DP, the distributed-optimizer instance group -- is island-local;
+``get_data_parallel_world_size()`` returns DP_island. The ``IslandLayout`` hands the island's
+groups on explicitly: ``layout.pg_collection`` (Megatron's ``ProcessGroupCollection``, for
+``get_megatron_optimizer(..., pg_collection=...)`` and, on 0.19, the model and DDP) and
+``layout.groups`` (``DMuonGroups``, which the outer step uses).
 Megatron DDP, the distributed optimizer (AdamW) and DMuon work unchanged inside an island.
 Only the setup does world-wide collectives (Megatron's ``_get_param_groups`` gathers param-
 group keys over the world), so all islands build their optimizers together.
@@ -112,7 +117,6 @@ rounds of a partial set of islands run over gloo on CPU copies of the buffers.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import logging
@@ -128,6 +132,7 @@ import torch.distributed as dist
 from ..comm import CommStats, all_to_all_flat
 from ..isoloco import OUTER_DEFAULTS, OuterOptimizer
 from ..plan import UnitTask, plan_owners
+from . import compat
 
 __all__ = [
     "IslandLayout",
@@ -169,6 +174,10 @@ class IslandLayout:
     dp: int
     cross_ranks: list[int]  # global ranks of this rank's cross-island group, index = island
     cross_group: Optional[Any] = field(default=None, repr=False)
+    # the island's own groups: Megatron's ProcessGroupCollection (for DDP, the model and
+    # ``get_megatron_optimizer(..., pg_collection=...)``) and DMuon's view of them
+    pg_collection: Optional[Any] = field(default=None, repr=False)
+    groups: Optional[Any] = field(default=None, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -186,29 +195,7 @@ class IslandLayout:
 _LAYOUT: Optional[IslandLayout] = None
 
 
-def _shift_ranks(value, offset: int):
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        return value + offset
-    if isinstance(value, list):
-        return [_shift_ranks(v, offset) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_shift_ranks(v, offset) for v in value)
-    return value
-
-
-def _rank_lists(ps) -> dict:
-    """Megatron's module-level lists of ranks (``_PIPELINE_GLOBAL_RANKS``, ...)."""
-    out = {}
-    for name, value in vars(ps).items():
-        if name.startswith("_") and "_RANKS" in name and name.isupper() \
-                and isinstance(value, (list, tuple)):
-            out[name] = value
-    return out
-
-
-# (rank-list global, getter of the group it describes) pairs checked after the shift
+# (rank-list global, getter of the group it describes) pairs checked after the set-up
 _RANK_LIST_CHECKS = (
     ("_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS", "get_tensor_model_parallel_group", {}),
     ("_DATA_PARALLEL_GLOBAL_RANKS", "get_data_parallel_group", {}),
@@ -246,52 +233,6 @@ def _check_rank_lists(ps) -> None:
                                "pipeline group")
 
 
-@contextlib.contextmanager
-def _megatron_sees_one_island(num_islands: int, island_size: int, island: int):
-    """While active, Megatron's parallel_state builds groups for one island x K copies."""
-    from megatron.core import parallel_state as ps
-
-    real_ws, real_rank = dist.get_world_size, dist.get_rank
-    real_create = ps.create_group
-    offset = island * island_size
-    state = {"inside": False}
-
-    def world_size(group=None):
-        if group is None and not state["inside"]:
-            return island_size
-        return real_ws(group) if group is not None else real_ws()
-
-    def get_rank(group=None):
-        if group is None and not state["inside"]:
-            return real_rank() - offset
-        return real_rank(group) if group is not None else real_rank()
-
-    def create_group(ranks=None, *args, **kwargs):
-        if ranks is None:
-            raise RuntimeError("initialize_islands: Megatron asked for a group without ranks")
-        local = [int(r) for r in ranks]
-        if any(r < 0 or r >= island_size for r in local):
-            raise RuntimeError(f"initialize_islands: group ranks {local} outside the island")
-        mine = None
-        state["inside"] = True  # torch and the real create_group see the real world
-        try:
-            for j in range(num_islands):
-                group = real_create([r + j * island_size for r in local], *args, **kwargs)
-                if j == island:
-                    mine = group
-        finally:
-            state["inside"] = False
-        return mine
-
-    dist.get_world_size, dist.get_rank = world_size, get_rank
-    ps.create_group = create_group
-    try:
-        yield
-    finally:
-        dist.get_world_size, dist.get_rank = real_ws, real_rank
-        ps.create_group = real_create
-
-
 def initialize_islands(num_islands: int, tp: int = 1, pp: int = 1, vpp: Optional[int] = None,
                        seed: Optional[int] = 1234, **model_parallel_kwargs) -> IslandLayout:
     """Split the initialised world into ``num_islands`` Megatron layouts (see module doc).
@@ -322,13 +263,10 @@ def initialize_islands(num_islands: int, tp: int = 1, pp: int = 1, vpp: Optional
             raise ValueError(f"islands support dense models without CP/EP for now ({key})")
     island, local = divmod(rank, size)
     ps.destroy_model_parallel()
-    with _megatron_sees_one_island(num_islands, size, island):
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-            virtual_pipeline_model_parallel_size=vpp, **model_parallel_kwargs)
-    if island:
-        for name, value in _rank_lists(ps).items():
-            setattr(ps, name, _shift_ranks(value, island * size))
+    compat.initialize_island_model_parallel(
+        num_islands, size, island, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+        **model_parallel_kwargs)
     _check_rank_lists(ps)
     if ps.get_data_parallel_world_size() * tp * pp != size:
         raise RuntimeError("initialize_islands: Megatron's DP size is not island-local")
@@ -344,9 +282,15 @@ def initialize_islands(num_islands: int, tp: int = 1, pp: int = 1, vpp: Optional
 
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available())
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from .groups import DMuonGroups
+
+    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     _LAYOUT = IslandLayout(num_islands=num_islands, island_size=size, island=island,
                            local_rank=local, tp=tp, pp=pp, dp=size // (tp * pp),
-                           cross_ranks=mine, cross_group=cross)
+                           cross_ranks=mine, cross_group=cross, pg_collection=pg_collection,
+                           groups=DMuonGroups.from_parallel_state())
     return _LAYOUT
 
 
@@ -488,8 +432,6 @@ class IslandOuterStep:
                  fault_tolerant: bool = False, island_timeout: float = 300.0,
                  rejoin_timeout: Optional[float] = None, max_rounds: Optional[int] = None,
                  poll_interval: float = 0.02, log: Optional[Callable[[str], None]] = None):
-        from megatron.core import parallel_state as ps
-
         self.layout = layout or get_island_layout()
         self.model = model
         self.inner_optimizer = inner_optimizer
@@ -509,16 +451,14 @@ class IslandOuterStep:
         self.stale = False  # missed a round; rejoins with zero weight and a state sync
         self.history: list[dict] = []
         self.iso_computed = 0  # Iso-C of full matrices computed on this rank (all rounds)
-        self._tp_group = ps.get_tensor_model_parallel_group()
-        self._tp_rank = ps.get_tensor_model_parallel_rank()
-        self._dp_group = ps.get_data_parallel_group()
-        self._dp_rank = ps.get_data_parallel_rank()
-        self._dp_ranks = dist.get_process_group_ranks(self._dp_group)
         L = self.layout
-        if ps.get_tensor_model_parallel_world_size() != L.tp or \
-                ps.get_data_parallel_world_size() != L.dp:
-            raise RuntimeError("IslandOuterStep: Megatron's parallel_state does not match the "
-                               "island layout (call initialize_islands first)")
+        G = L.groups
+        if G is None or G.tp_size != L.tp or G.dp_size != L.dp:
+            raise RuntimeError("IslandOuterStep: the layout's process groups do not match the "
+                               "island layout (build it with initialize_islands)")
+        self._tp_group, self._tp_rank = G.tp, G.tp_rank
+        self._dp_group, self._dp_rank = G.dp, G.dp_rank
+        self._dp_ranks = dist.get_process_group_ranks(self._dp_group)
 
         pick = iso_filter or (lambda name, shape: len(shape) == 2)
         entries = []

@@ -105,11 +105,11 @@ class DMuonOverlap:
     """Hooks one ``DMuonDistributedOptimizer`` into its DDP chunks' grad-sync calls
     (through ``megatron_muon.megatron.hooks``; ``remove()`` takes the hooks back)."""
 
-    def __init__(self, opt, bucket_gather: bool = True, param_update: bool = True):
-        self.opt = opt
+    def __init__(self, view, step, bucket_gather: bool = True, param_update: bool = True):
+        self.view = view  # dmuon.DMuonView: what is read of the DMuon optimizer
         self.param_update = param_update
         self.deferred: Optional[_Deferred] = None
-        self.step_opt = opt.optimizer  # ShardedMuonStep
+        self.step_opt = step  # ShardedMuonStep
         self.engine = self.step_opt.engine
         self.bucket_gather = bucket_gather
         self.stats = OverlapStats()
@@ -122,22 +122,21 @@ class DMuonOverlap:
 
     # -- geometry -------------------------------------------------------------------
     def _bucket_groups(self) -> list:
-        opt, step = self.opt, self.step_opt
-        engine_bucket = opt.engine_bucket_of
+        view, step = self.view, self.step_opt
+        engine_bucket, shards = view.bucket_of, view.shards
         groups, covered = [], set()
-        for chunk in opt.model_chunks:
+        for chunk in view.model_chunks:
             for bg in list(chunk.bucket_groups) + list(chunk.expert_parallel_bucket_groups):
-                params = [p for p in bg.params if p in opt.model_param_gbuf_map]
+                params = [p for p in bg.params if p in shards]
                 # (with matrix placement the engine has only the buckets this DP rank holds)
                 keys = sorted({engine_bucket[p] for p in bg.params if p in engine_bucket}
                               & set(self.engine.gather_tables))
                 if not keys:
                     continue
                 entries = []
-                for p in sorted(params, key=lambda q: step.offsets[self._main(q)]):
-                    r = opt._get_model_param_range_map(p)["param"]
-                    entries.append(_Entry(p, self._main(p), r.start, r.end,
-                                          step.offsets[self._main(p)]))
+                for p in sorted(params, key=lambda q: step.offsets[shards[q][0]]):
+                    main, start, end = shards[p]
+                    entries.append(_Entry(p, main, start, end, step.offsets[main]))
                 groups.append(_Group(bg, keys, entries))
                 covered.update(keys)
         missing = set(self.engine.gather_tables) - covered
@@ -145,10 +144,6 @@ class DMuonOverlap:
             raise RuntimeError(f"DMuon overlap: engine buckets {sorted(missing)} belong to no "
                                "DDP bucket group")
         return groups
-
-    def _main(self, model_param):
-        gi, go = self.opt.model_param_group_index_map[model_param]
-        return self.step_opt.param_groups[gi]["params"][go]
 
     # -- hooks ----------------------------------------------------------------------
     def _install(self) -> None:
@@ -159,7 +154,7 @@ class DMuonOverlap:
             if self.param_update:
                 self.registrations.append(
                     hooks.before_param_sync(g.bucket_group, lambda i=i: self.flush(i)))
-        chunks = list(self.opt.model_chunks)
+        chunks = list(self.view.model_chunks)
         for chunk in chunks:
             self.registrations.append(hooks.on_backward_done(
                 chunk, lambda c=chunk, n=len(chunks): self._on_finish(c, n)))
@@ -213,7 +208,7 @@ class DMuonOverlap:
             if handle is not None:
                 handle.wait()  # Megatron waits again (a no-op) in finish_grad_sync
             step = self.step_opt
-            scaler = self.opt.grad_scaler
+            scaler = self.view.grad_scaler
             found = torch.zeros(1, dtype=torch.float32, device=spec.flat.device)  # ignored
             for e in g.entries:
                 grad = e.model_param.main_grad.view(-1)[e.start: e.end].float().clone()
@@ -288,7 +283,7 @@ class DMuonOverlap:
                 lr, wd = d.lr_wd[e.main_param]
                 o = d.spec.out[e.offset: e.offset + e.main_param.numel()].view_as(e.main_param)
                 self.step_opt.apply_update(e.main_param, o, lr, wd)
-                self.opt.publish_param(e.model_param, e.main_param)
+                self.view.publish(e.model_param, e.main_param)
         d.done.add(i)
         if len(d.done) == len(self.groups):
             self.deferred = None

@@ -1,0 +1,138 @@
+"""The process groups DMuon works over, named once and passed explicitly.
+
+``DMuonGroups`` is built once by the factory (``build_dmuon_optimizer``) and handed to the
+distributed optimizers, the owner planner and the exchange, so that nothing below the
+factory reads Megatron's ``parallel_state`` globals. It comes from Megatron's
+``ProcessGroupCollection`` (``pg_collection``) when the caller has one -- Megatron-LM
+passes it to ``get_megatron_optimizer``, and islands build an island-local one -- and
+otherwise from ``parallel_state`` (the groups ``initialize_model_parallel`` made).
+
+Groups (``None`` where the layout does not have them):
+
+* ``tp``, ``dp``, ``pp``, ``cp``: tensor, data (without context parallelism), pipeline and
+  context parallel groups of this rank;
+* ``tp_dp``: the joint TP x DP group of this pipeline stage, DMuon's exchange group;
+* ``expt_tp``, ``expt_dp``: the expert tensor- and data-parallel groups (MoE);
+* ``optimizer``: what Megatron's ``setup_process_groups_for_optimizer`` returns for the
+  distributed optimizers (model-parallel group, intra-instance DP groups and their gloo
+  copies, the grad-stats group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+__all__ = ["DMuonGroups"]
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group) if group is not None else 0
+
+
+@dataclass(frozen=True)
+class DMuonGroups:
+    """Explicit process groups of one rank (see the module docstring)."""
+
+    tp: Optional[Any]
+    dp: Optional[Any]
+    tp_dp: Optional[Any]
+    pp: Optional[Any]
+    expt_tp: Optional[Any] = None
+    expt_dp: Optional[Any] = None
+    cp: Optional[Any] = None
+    pg_collection: Optional[Any] = field(default=None, repr=False, compare=False)
+    optimizer: dict = field(default_factory=dict, repr=False, compare=False)
+
+    # -- sizes and ranks ----------------------------------------------------------------
+    @property
+    def tp_size(self) -> int:
+        return _size(self.tp)
+
+    @property
+    def tp_rank(self) -> int:
+        return _rank(self.tp)
+
+    @property
+    def dp_size(self) -> int:
+        return _size(self.dp)
+
+    @property
+    def dp_rank(self) -> int:
+        return _rank(self.dp)
+
+    @property
+    def pp_size(self) -> int:
+        return _size(self.pp)
+
+    @property
+    def cp_size(self) -> int:
+        return _size(self.cp)
+
+    @property
+    def expt_tp_size(self) -> int:
+        return _size(self.expt_tp)
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def from_pg_collection(cls, pg) -> "DMuonGroups":
+        """From a Megatron ``ProcessGroupCollection`` (its ``dp`` excludes context parallelism;
+        its TP x DP group ``tp_dp_cp`` includes it, which DMuon requires to be 1)."""
+        def get(name):
+            try:
+                return getattr(pg, name, None)
+            except (AttributeError, AssertionError):
+                return None
+
+        missing = [name for name in ("tp", "dp", "tp_dp_cp", "pp") if get(name) is None]
+        if missing:
+            raise ValueError(f"pg_collection has no {', '.join(missing)} group(s); DMuon needs "
+                             "tp, dp, tp_dp_cp and pp (ProcessGroupCollection."
+                             "use_mpu_process_groups() fills every field)")
+        cp = get("cp")
+        if _size(cp) > 1:
+            raise ValueError("optimizer='dmuon' does not support context parallelism yet")
+        return cls(tp=get("tp"), dp=get("dp"), tp_dp=get("tp_dp_cp"), pp=get("pp"),
+                   expt_tp=get("expt_tp"), expt_dp=get("expt_dp"), cp=cp, pg_collection=pg)
+
+    @classmethod
+    def from_parallel_state(cls) -> "DMuonGroups":
+        """From the groups Megatron's ``initialize_model_parallel`` made."""
+        from megatron.core import parallel_state as ps
+
+        def get(fn, **kw):
+            try:
+                return fn(**kw)
+            except (AssertionError, RuntimeError):  # a group this layout does not have
+                return None
+
+        return cls(
+            tp=ps.get_tensor_model_parallel_group(),
+            dp=ps.get_data_parallel_group(with_context_parallel=False),
+            tp_dp=ps.get_tensor_and_data_parallel_group(with_context_parallel=False),
+            pp=ps.get_pipeline_model_parallel_group(),
+            expt_tp=get(ps.get_expert_tensor_parallel_group),
+            expt_dp=get(ps.get_expert_data_parallel_group),
+            cp=get(ps.get_context_parallel_group))
+
+    @classmethod
+    def build(cls, pg_collection=None, model_chunks=None,
+              use_gloo_process_groups: bool = True) -> "DMuonGroups":
+        """``from_pg_collection`` when one is given, else ``from_parallel_state``; with
+        ``model_chunks`` also the distributed optimizers' groups (``optimizer``)."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        groups = cls.from_pg_collection(pg_collection) if pg_collection is not None \
+            else cls.from_parallel_state()
+        if model_chunks is None:
+            return groups
+        opt = ProcessGroupCollection.setup_process_groups_for_optimizer(
+            pg_collection, model_chunks, use_gloo_process_groups)
+        return cls(**{**{f: getattr(groups, f) for f in groups.__dataclass_fields__},
+                      "optimizer": dict(opt)})

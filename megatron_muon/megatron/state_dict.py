@@ -1,0 +1,183 @@
+"""Checkpoints of DMuon and of its AdamW companion: model-space optimizer state.
+
+Megatron's own distributed-optimizer formats key the state by DP shard, which does not
+survive a change of layout; these optimizers save every managed parameter's main value
+and optimizer state (``exp_avg``/``exp_avg_sq``, or DMuon's ``momentum_buffer``) as whole
+TP-local tensors under the parameter's own ``ShardedTensor`` key, so Megatron's
+``dist_checkpointing`` reshards them to any DP / TP / PP layout on load.
+
+* ``ModelSpaceStateMixin``: the format itself (gather over DP on save, slice on load) and
+  the non-parameter state (param groups, step, grad scaler);
+* ``AdamStateMixin``: ``state_dict``/``load_state_dict`` of the AdamW subset optimizer;
+* ``DMuonStateMixin``: those of DMuon (which finishes any deferred update first).
+
+The mixins sit in front of ``DistributedOptimizer`` in the classes of
+``megatron_muon.megatron.dmuon``; they use its range maps and ``_managed`` (the
+parameters the optimizer manages).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ModelSpaceStateMixin", "AdamStateMixin", "DMuonStateMixin"]
+
+
+class ModelSpaceStateMixin:
+    """The model-space checkpoint format shared by both optimizers (module docstring)."""
+
+    CHECKPOINT_FORMAT = "megatron_muon_model_space"
+    state_keys: tuple = ("exp_avg", "exp_avg_sq")  # saved next to the main param
+
+    def _group_state_dict(self, step) -> dict:
+        """Megatron's non-parameter optimizer state, without needing per-parameter state."""
+        groups = []
+        for g in self.optimizer.param_groups:
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "step": step})
+        sd = {"optimizer": {"param_groups": groups}}
+        if self.grad_scaler:
+            sd["grad_scaler"] = self.grad_scaler.state_dict()
+        return sd
+
+    def _managed_in_order(self) -> list:
+        return [p for chunk in self.model_chunks for _, p in chunk.named_parameters()
+                if p in self._managed]
+
+    def _model_space_state(self, model_sharded_state_dict, is_loading: bool) -> dict:
+        """{index: {key: ShardedTensor}} of whole TP-local tensors, one per managed param.
+
+        Each DP rank holds a flat slice of every main param and state tensor; they are
+        summed into whole TP-local tensors over the DP group (zeros elsewhere), and saved
+        as model-space ShardedTensors (DP rank 0 is the main replica), so
+        dist_checkpointing reshards them to any DP / TP / PP layout on load.
+        """
+        from dataclasses import replace
+
+        from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+        meta = {}
+        sharded, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
+        for sh in nested_values(sharded):
+            meta[sh.data] = sh
+        params = self._managed_in_order()
+        full = self._gather_model_space(params, empty=is_loading)
+        dp_rank = self.data_parallel_group.rank()
+        out = {}
+        for i, p in enumerate(params):
+            if p not in meta:
+                raise ValueError("model parameter missing from the model sharded_state_dict")
+            sh = meta[p]
+            out[i] = {key: replace(sh, key=f"optimizer.state.{key}.{sh.key}", data=full[key][i],
+                                   dtype=full[key][i].dtype,
+                                   replica_id=(*sh.replica_id[:2], dp_rank))
+                      for key in full}
+        return out
+
+    @torch.no_grad()
+    def _gather_model_space(self, params: list, empty: bool) -> dict:
+        keys = ("param",) + tuple(self.state_keys)
+        sizes = [p.numel() for p in params]
+        dev = params[0].device if params else torch.device("cpu")
+        bufs = {k: torch.zeros(sum(sizes), dtype=torch.float32, device=dev) for k in keys}
+        if not empty and not self.is_stub_optimizer:
+            off = 0
+            for p, n in zip(params, sizes):
+                if p in self.model_param_gbuf_map:
+                    r = self._get_model_param_range_map(p)["param"]
+                    tensors = self._get_main_param_and_optimizer_states(p)
+                    for k in keys:
+                        bufs[k][off + r.start: off + r.end].copy_(tensors[k].view(-1))
+                off += n
+            for k in keys:
+                dist.all_reduce(bufs[k], group=self.data_parallel_group)
+        return {k: [t.view_as(p) for t, p in zip(torch.split(bufs[k], sizes), params)]
+                for k in keys}
+
+    @torch.no_grad()
+    def _load_model_space_state(self, param_state: dict) -> None:
+        params = self._managed_in_order()
+        for i, p in enumerate(params):
+            if p not in self.model_param_gbuf_map:
+                continue
+            r = self._get_model_param_range_map(p)["param"]
+            tensors = self._get_main_param_and_optimizer_states(p)
+            for k, v in param_state[i].items():
+                tensors[k].view(-1).copy_(v.reshape(-1)[r.start: r.end])
+
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False,
+                           sharding_type=None, metadata=None):
+        state_dict = self.state_dict()
+        if is_loading:
+            self.load_state_dict(self.state_dict())  # allocate state before it is filled
+        state_dict["param_state"] = self._model_space_state(model_sharded_state_dict or {},
+                                                            is_loading)
+        state_dict["param_state_sharding_type"] = self.CHECKPOINT_FORMAT
+        return state_dict
+
+    def _split_param_state(self, state_dict) -> tuple:
+        state_dict = dict(state_dict)
+        param_state = state_dict.pop("param_state", None)
+        kind = state_dict.pop("param_state_sharding_type", None)
+        if param_state is not None and kind != self.CHECKPOINT_FORMAT:
+            raise ValueError(f"optimizer checkpoint format {kind!r} is not supported here; "
+                             f"megatron_muon writes {self.CHECKPOINT_FORMAT!r}")
+        return state_dict, param_state
+
+
+class AdamStateMixin(ModelSpaceStateMixin):
+    """``state_dict`` / ``load_state_dict`` of the AdamW subset optimizer."""
+
+    def state_dict(self):
+        # Megatron reads 'step' from per-parameter Adam state, which a rank whose DP shard
+        # holds none of the non-Muon parameters does not have.
+        if not self.is_stub_optimizer and len(self.optimizer.state) == 0:
+            return self._group_state_dict(self.completed_steps)
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict):
+        state_dict, param_state = self._split_param_state(state_dict)
+        steps = {g.get("step") for g in state_dict["optimizer"]["param_groups"]} - {None}
+        if len(steps) == 1:
+            self.completed_steps = int(steps.pop())
+        super().load_state_dict(state_dict)
+        # Megatron (torch-Adam path) gives every parameter the *same* 'step' tensor, which
+        # torch's AdamW then increments once per parameter: un-share it.
+        for st in self.optimizer.state.values():
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].clone()
+        if param_state is not None:
+            self._load_model_space_state(param_state)
+
+
+class DMuonStateMixin(ModelSpaceStateMixin):
+    """``state_dict`` / ``load_state_dict`` / ``sharded_state_dict`` of DMuon."""
+
+    state_keys = ("momentum_buffer",)
+
+    def state_dict(self):
+        return self._group_state_dict(self.completed_steps)
+
+    def load_state_dict(self, state_dict):
+        """Non-parameter state (groups, step, grad scaler) plus the sharded param state."""
+        self.finish_deferred()
+        state_dict, param_state = self._split_param_state(state_dict)
+        if self.is_stub_optimizer:
+            return
+        self.optimizer.init_state()
+        saved = state_dict["optimizer"]["param_groups"]
+        if len(saved) != len(self.optimizer.param_groups):
+            raise ValueError(f"checkpoint has {len(saved)} DMuon param groups, this model "
+                             f"{len(self.optimizer.param_groups)}")
+        for group, sg in zip(self.optimizer.param_groups, saved):
+            group.update({k: v for k, v in sg.items() if k not in ("params", "step")})
+        self.completed_steps = int(saved[0].get("step", 0)) if saved else 0
+        if self.grad_scaler and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        if param_state is not None:
+            self._load_model_space_state(param_state)
+
+    def sharded_state_dict(self, *args, **kwargs):
+        self.finish_deferred()
+        return super().sharded_state_dict(*args, **kwargs)
