@@ -1,6 +1,6 @@
 """Reference Muon: the single-process oracle every distributed path is tested against.
 
-SPEC section 1, written to be obviously correct rather than fast:
+docs/design.md#muon, written to be obviously correct rather than fast:
 
     M <- mu * M + G
     U <- G + mu * M   (nesterov)  |  U <- M
@@ -92,7 +92,7 @@ def muon_update_direction(update: torch.Tensor, units: list[Unit], *, ns_steps: 
 
 
 class Muon(torch.optim.Optimizer):
-    """Single-device Muon (SPEC section 1) for 2-D parameters.
+    """Single-device Muon (docs/design.md#muon) for 2-D parameters.
 
     Args:
         params: 2-D parameters (or param groups).

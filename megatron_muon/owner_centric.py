@@ -1,4 +1,4 @@
-"""Owner-centric distributed Newton-Schulz (SPEC section 2, steps 2-4), framework-free.
+"""Owner-centric distributed Newton-Schulz (docs/design.md#exchange), framework-free.
 
 The group (a pipeline stage's DP x TP ranks) holds a set of logical matrices, each cut
 into *pieces*: a piece is a flat range ``[start, end)`` of one TP shard, held by one group

@@ -1,4 +1,4 @@
-"""sMuon: Muon for LoRA adapters (SPEC section 4).
+"""sMuon: Muon for LoRA adapters (docs/design.md#smuon-and-lora).
 
 A LoRA layer is ``W = W0 + gamma * B @ A`` with ``B: m x r``, ``A: r x n`` and ``W0`` frozen.
 Only the factor gradients ``G_A = gamma B^T G_W`` and ``G_B = gamma G_W A^T`` are seen.
@@ -31,7 +31,7 @@ whole m x n layer, restricted to what the factors can express:
 
        dB = O A^T (A A^T)^-1 / gamma,   dA = (B^T B)^-1 B^T O (I - P_V) / gamma,
 
-   (the gauge ``(dB + B X, dA - X A)`` is fixed as in the SPEC).  O is never formed: every
+   (the gauge ``(dB + B X, dA - X A)`` is fixed, docs/design.md#smuon-and-lora).  O is never formed: every
    product is m x r, r x n or smaller.
 
 Gamma: the returned factor directions satisfy ``gamma (dB A + B dA) = P_T(msign(G_W))``, i.e.
@@ -273,7 +273,7 @@ def _check_pairs(pairs) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 class SMuon(torch.optim.Optimizer):
-    """sMuon (SPEC section 4): Muon for LoRA factor pairs.
+    """sMuon (docs/design.md#smuon-and-lora): Muon for LoRA factor pairs.
 
     Params: either a list of ``(A, B)`` tuples (A = ``lora_A.weight``: r x n, B =
     ``lora_B.weight``: m x r, the layer being ``W0 + gamma B A``), or a list of param-group
@@ -286,7 +286,7 @@ class SMuon(torch.optim.Optimizer):
     Per pair and step (all in fp32, or fp64 for fp64 params):
 
         M_A <- mu M_A + G_A,  M_B <- mu M_B + G_B            (momentum on factor gradients)
-        U_X <- G_X + mu M_X (nesterov) | M_X                  (SPEC section 1)
+        U_X <- G_X + mu M_X (nesterov) | M_X                  (docs/design.md#muon)
         dA, dB <- smuon_direction(A, B, U_A, U_B, gamma, damping, ...)
         c <- sqrt(1 - lr * wd)
         A <- c A - lr * scale(m, n) * dA;   B <- c B - lr * scale(m, n) * dB

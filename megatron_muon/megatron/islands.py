@@ -891,7 +891,7 @@ class OuterArgumentError(ValueError):
 
 def add_outer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register the DiLoCo / IsoLoCo flags (an argument group titled ``'outer optimizer'``)."""
-    g = parser.add_argument_group("outer optimizer", "DiLoCo / IsoLoCo islands (SPEC section 5)")
+    g = parser.add_argument_group("outer optimizer", "DiLoCo / IsoLoCo islands")
     g.add_argument("--outer-optimizer", choices=("diloco", "isoloco"), default=None,
                    help="Train in islands that synchronise every --diloco-inner-steps with "
                         "this outer optimizer (default: off, plain data parallelism).")

@@ -1,4 +1,4 @@
-"""LoRA adapters for Megatron-Core's ``ColumnParallelLinear`` and ``RowParallelLinear`` (SPEC §4).
+"""LoRA adapters for Megatron-Core's ``ColumnParallelLinear`` and ``RowParallelLinear`` (docs/design.md#smuon-and-lora).
 
 A LoRA layer computes ``y = x W^T + gamma * (x A^T) B^T``, i.e. ``W = W0 + gamma B A`` with
 ``W0`` (m x n, out x in) frozen, ``A``: r x n, ``B``: m x r and ``gamma = alpha / r``.

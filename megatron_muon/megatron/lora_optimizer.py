@@ -74,7 +74,7 @@ class LoRAOptimizer:
             separately, each factor orthogonalised on its own).
         lr, weight_decay, clip_grad (0 = off): as usual.
         momentum, nesterov, ns_steps, coefficient_type, scale_mode, extra_scale_factor,
-        damping, exact_sign: sMuon / Muon settings (SPEC sections 1 and 4).
+        damping, exact_sign: sMuon / Muon settings (docs/design.md#muon, #smuon-and-lora).
         adam_betas, adam_eps: AdamW settings.
         smuon_work: ``distribute`` (default) or ``replicate`` (see the module docstring).
         work_group: ``tp`` (default) or ``tp_dp``: over which ranks sMuon's direction work
