@@ -19,7 +19,7 @@ The recipe, top to bottom:
    file or directory.  Files are split into fine-tuning and held-out sets by a stable hash of
    their name (``--eval-fraction``); with fewer than 10 files every file's tail is held out.
    Bytes are tokens, as in the pretraining (NUL = end of document).
-3. LoRA (``megatron_muon.megatron.lora``) on ``--lora-targets`` with ``--lora-rank`` /
+3. LoRA (``megatron_muon.peft.lora``) on ``--lora-targets`` with ``--lora-rank`` /
    ``--lora-alpha``; the base weights are frozen; Megatron DDP reduces the adapter gradients.
 4. the optimizers, under the same budget (same iterations, batches, data order, schedule,
    warm-up, clipping): ``smuon`` (sMuon: the Muon direction of the whole layer, restricted to
@@ -79,7 +79,7 @@ UsageError = pretrain_gpt.UsageError
 
 # =========================================================================== arguments
 def get_args(argv=None) -> argparse.Namespace:
-    from megatron_muon.megatron.lora import DEFAULT_TARGETS
+    from megatron_muon.peft.lora import DEFAULT_TARGETS
 
     p = pretrain_gpt._ArgumentParser(
         description="LoRA fine-tuning of a pretrained GPT: sMuon vs AdamW vs per-factor Muon.",
@@ -163,7 +163,7 @@ def get_args(argv=None) -> argparse.Namespace:
 
 
 def check_args(args, world: int) -> None:
-    from megatron_muon.megatron.lora import LoRAConfig
+    from megatron_muon.peft.lora import LoRAConfig
 
     tp = args.tensor_model_parallel_size
     if tp < 1 or world % tp:
@@ -444,8 +444,8 @@ def finetune(args, name: str, arch: dict, ckpt: str, train_set, eval_set, say) -
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from megatron_muon.megatron.lora import LoRAConfig, apply_lora, save_lora
-    from megatron_muon.megatron.lora_optimizer import LoRAOptimizer
+    from megatron_muon.peft.lora import LoRAConfig, apply_lora, save_lora
+    from megatron_muon.peft.lora_optimizer import LoRAOptimizer
     from megatron_muon.megatron.models import wire_ddp_hooks
 
     gpt = build_base_model(args, arch)
@@ -605,7 +605,7 @@ def report(args, records: list[dict], desc: str, ckpt: str) -> None:
 
 # =========================================================================== launching
 def launch_local(args, argv: list[str]) -> int:
-    from megatron_muon.launch import start_ranks, supervise
+    from megatron_muon.distributed.launch import start_ranks, supervise
 
     nproc = args.nproc or args.tensor_model_parallel_size
     check_args(args, nproc)

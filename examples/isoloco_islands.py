@@ -10,7 +10,7 @@ ranks (gloo on CPU; NCCL on GPUs):
 
 * ``adam``: plain data parallelism, Megatron DDP + the distributed AdamW, DP = 4: every step
   reduce-scatters the gradients and all-gathers the parameters over the 4 ranks.
-* ``diloco`` / ``isoloco``: 4 islands x 1 rank (``megatron_muon.megatron.islands``); every
+* ``diloco`` / ``isoloco``: 4 islands x 1 rank (``megatron_muon.islands.runtime``); every
   island trains alone with the same AdamW and schedule, and every ``--diloco-inner-steps``
   steps the islands merge with the outer step (DiLoCo: Nesterov SGD on mean D, lr 0.7 / mu
   0.9; IsoLoCo: Iso-C of mean D, lr 1.8 / mu 0.8 -- the published defaults).
@@ -180,7 +180,7 @@ def run_method(args, method: str, train, valid) -> dict:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_muon.megatron.factory import get_megatron_optimizer
-    from megatron_muon.megatron.islands import (IslandOuterStep, destroy_islands,
+    from megatron_muon.islands.runtime import (IslandOuterStep, destroy_islands,
                                                 initialize_islands)
     from megatron_muon.testing.gpt import TinyGPTConfig, build_gpt
     from megatron_muon.testing.workers import make_optimizer_config
@@ -340,7 +340,7 @@ def report(args, results: list, world: int) -> None:
 # ============================================================================ launching
 def launch_local(args, argv) -> int:
     """Start --nproc ranks of this script (rank 0 prints to the terminal); never hangs."""
-    from megatron_muon.launch import start_ranks, supervise
+    from megatron_muon.distributed.launch import start_ranks, supervise
 
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     logs = [None] + [Path(args.out_dir) / f"isoloco_islands.rank{r}.log"

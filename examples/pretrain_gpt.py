@@ -890,7 +890,7 @@ def print_summary(args, s: dict) -> None:
 # =========================================================================== launching
 def launch_local(args, argv: list[str]) -> int:
     """No torchrun environment: start ``--nproc`` ranks of this script (a tiny torchrun)."""
-    from megatron_muon.launch import start_ranks, supervise
+    from megatron_muon.distributed.launch import start_ranks, supervise
 
     nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 4)
     check_args(args, nproc)  # fail fast, before any process starts

@@ -4,9 +4,9 @@ Maths (``Muon``, ``newton_schulz``) import without Megatron; the Megatron adapte
 (``DMuonOptimizerConfig``, ``get_megatron_optimizer``) is imported on first use.
 """
 
-from .muon import Muon
-from .newton_schulz import COEFFICIENT_SETS, muon_scale, newton_schulz
-from .units import Unit
+from megatron_muon.core.muon import Muon
+from megatron_muon.core.newton_schulz import COEFFICIENT_SETS, muon_scale, newton_schulz
+from megatron_muon.core.units import Unit
 
 __version__ = "0.1.0"
 
@@ -14,12 +14,12 @@ _LAZY = {
     "DMuonOptimizerConfig": "megatron_muon.megatron.config",
     "get_megatron_optimizer": "megatron_muon.megatron.factory",
     "DMuonDistributedOptimizer": "megatron_muon.megatron.dmuon",
-    "smuon_direction": "megatron_muon.smuon",
-    "SMuon": "megatron_muon.smuon",
-    "iso_c": "megatron_muon.isoloco",
-    "apply_lora": "megatron_muon.megatron.lora",
-    "LoRAConfig": "megatron_muon.megatron.lora",
-    "LoRAOptimizer": "megatron_muon.megatron.lora_optimizer",
+    "smuon_direction": "megatron_muon.peft.smuon",
+    "SMuon": "megatron_muon.peft.smuon",
+    "iso_c": "megatron_muon.islands.isoloco",
+    "apply_lora": "megatron_muon.peft.lora",
+    "LoRAConfig": "megatron_muon.peft.lora",
+    "LoRAOptimizer": "megatron_muon.peft.lora_optimizer",
 }
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_muon.newton_schulz import ns_flops
-from megatron_muon.plan import plan_owners
+from megatron_muon.core.newton_schulz import ns_flops
+from megatron_muon.core.plan import plan_owners
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))  # the model is a tool, not part of the package

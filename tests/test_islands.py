@@ -4,7 +4,7 @@ Two launches of 4 gloo ranks: ``islands_suite`` runs every layout below one afte
 (K = 1 with TP2 x DP2 against a plain Megatron run; 4 islands x 1 rank with DiLoCo, IsoLoCo
 svd + a checkpoint resume, IsoLoCo ns momentum-first; 2 islands x TP2, x PP2 and x DP2), and
 ``islands_fault`` runs the fault mode with island 3 stalled past the timeout. The outer step
-is checked against ``megatron_muon.isoloco.OuterOptimizer`` fed the islands' parameters.
+is checked against ``megatron_muon.islands.isoloco.OuterOptimizer`` fed the islands' parameters.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import argparse
 import pytest
 import torch
 
-from megatron_muon.isoloco import OuterOptimizer, mean_pseudo_gradient
-from megatron_muon.megatron.islands import (
+from megatron_muon.islands.isoloco import OuterOptimizer, mean_pseudo_gradient
+from megatron_muon.islands.runtime import (
     OuterArgumentError,
     add_outer_args,
     outer_kwargs_from_args,
@@ -276,7 +276,7 @@ def test_flags_reject_bad_choice():
 def test_outer_optimizer_accepts_precomputed_iso_c(order):
     """What the distributed step relies on: step(D, iso_results=iso_c(iso_inputs(D))) is the
     plain step, bitwise."""
-    from megatron_muon.isoloco import iso_c
+    from megatron_muon.islands.isoloco import iso_c
 
     g = torch.Generator().manual_seed(3)
     params = {"w": torch.randn(12, 8, generator=g), "b": torch.randn(8, generator=g)}

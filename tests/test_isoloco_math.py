@@ -6,7 +6,7 @@ import io
 import pytest
 import torch
 
-from megatron_muon.isoloco import (
+from megatron_muon.islands.isoloco import (
     ISO_NS_CLEANUP_STEPS,
     ISO_NS_STEPS,
     OUTER_DEFAULTS,
@@ -19,7 +19,7 @@ from megatron_muon.isoloco import (
     polar_ns,
     pseudo_gradient,
 )
-from megatron_muon.newton_schulz import newton_schulz
+from megatron_muon.core.newton_schulz import newton_schulz
 
 # Documented bound of the default NS schedule (14 polar_express + 1 cleanup, gram
 # normalisation): relative Frobenius error of iso_c(.., "ns") vs the exact SVD formula.

@@ -21,7 +21,7 @@ import torch
 
 from megatron_muon.kernels import available_backends, batched_newton_schulz, get_backend
 from megatron_muon.kernels.backends import torch_batched, torch_loop
-from megatron_muon.newton_schulz import COEFFICIENT_SETS, newton_schulz, resolve_coefficients
+from megatron_muon.core.newton_schulz import COEFFICIENT_SETS, newton_schulz, resolve_coefficients
 
 REPO = Path(__file__).resolve().parents[1]
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -237,7 +237,7 @@ def test_triton_interpreted_matches_torch(tmp_path):
         import json, torch
         from megatron_muon.kernels import batched_newton_schulz, available_backends
         from megatron_muon.kernels import triton_ns
-        from megatron_muon.newton_schulz import newton_schulz
+        from megatron_muon.core.newton_schulz import newton_schulz
         res = {"interpreted": triton_ns.INTERPRETED, "available": available_backends("cpu")}
         g = torch.Generator().manual_seed(0)
         rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_muon.megatron.lora import LoRAConfig
+from megatron_muon.peft.lora import LoRAConfig
 from megatron_muon.testing.launch import run_ranks
 
 pytestmark = [pytest.mark.distributed]

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megatron_muon import Muon, newton_schulz
-from megatron_muon.newton_schulz import muon_scale
-from megatron_muon.units import (expert_units, extract_unit, gate_up_units, insert_unit,
+from megatron_muon.core.newton_schulz import muon_scale
+from megatron_muon.core.units import (expert_units, extract_unit, gate_up_units, insert_unit,
                                  qkv_units, unit_flat_indices)
 
 pytestmark = pytest.mark.timeout(60)

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from megatron_muon.placement import Item, permute_shards, place_bucket
+from megatron_muon.core.placement import Item, permute_shards, place_bucket
 
 
 def check_layout(pl, matrices, fillers):

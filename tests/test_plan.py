@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_muon.plan import UnitTask, flops_cost, plan_owners
+from megatron_muon.core.plan import UnitTask, flops_cost, plan_owners
 
 pytestmark = pytest.mark.timeout(60)
 

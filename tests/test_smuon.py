@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import megatron_muon
-from megatron_muon import smuon as smuon_mod
-from megatron_muon.newton_schulz import muon_scale, newton_schulz, resolve_coefficients
-from megatron_muon.smuon import SMuon, smuon_direction
+from megatron_muon.peft import smuon as smuon_mod
+from megatron_muon.core.newton_schulz import muon_scale, newton_schulz, resolve_coefficients
+from megatron_muon.peft.smuon import SMuon, smuon_direction
 
 F64 = torch.float64
 

@@ -3,7 +3,7 @@
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from megatron_muon import trace
+from megatron_muon.distributed import trace
 
 
 def test_span_records_an_event_and_a_profiler_range():

@@ -10,7 +10,7 @@ import torch
 from megatron_muon.kernels import NSTuner, batched_newton_schulz
 from megatron_muon.kernels.backends import torch_batched, torch_loop
 from megatron_muon.kernels.tuner import CACHE_ENV, default_candidates
-from megatron_muon.newton_schulz import resolve_coefficients
+from megatron_muon.core.newton_schulz import resolve_coefficients
 
 
 class Counting:

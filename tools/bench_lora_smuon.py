@@ -67,7 +67,7 @@ def _median_time(fn, reps: int, warmup: int = 2) -> float:
 
 
 def direction_times(ranks, reps: int = 7) -> dict:
-    from megatron_muon.smuon import smuon_direction
+    from megatron_muon.peft.smuon import smuon_direction
 
     torch.set_num_threads(1)
     out = {}
@@ -115,8 +115,8 @@ def model_worker(ranks, tp: int, layers: int, seq: int, micro_batch: int, steps:
                  warmup: int, modes) -> dict:
     import torch.distributed as dist
 
-    from megatron_muon.megatron.lora import apply_lora
-    from megatron_muon.megatron.lora_optimizer import LoRAOptimizer
+    from megatron_muon.peft.lora import apply_lora
+    from megatron_muon.peft.lora_optimizer import LoRAOptimizer
     from megatron_muon.testing.gpt import TinyGPTConfig, build_gpt, init_parallel, layout_ranks, \
         train_step
     from megatron_muon.testing.lora_workers import _wrap_ddp

@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout too
 
 from megatron_muon.kernels import available_backends, get_backend  # noqa: E402
-from megatron_muon.newton_schulz import ns_flops, resolve_coefficients  # noqa: E402
+from megatron_muon.core.newton_schulz import ns_flops, resolve_coefficients  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -8,7 +8,7 @@ One command, one run:
 For every layout it launches the ranks once and trains the same GPT with AdamW, DMuon with
 the overlap off (``dmuon_overlap=False``) and DMuon with it on (Megatron's
 ``overlap_grad_reduce`` is on for all three).  Each rank records a timeline
-(``megatron_muon.trace``); per step it reports
+(``megatron_muon.distributed.trace``); per step it reports
 
 * exposed optimizer time of a stage: from the end of the stage's last backward
   microbatch to the end of its ``optimizer.step()`` (the slowest rank of the stage),
@@ -50,7 +50,7 @@ def worker(cfg: dict, pp: int, variants: list, steps: int, warmup: int, bucket_s
     import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    from megatron_muon import trace
+    from megatron_muon.distributed import trace
     from megatron_muon.megatron.factory import get_megatron_optimizer
     from megatron_muon.megatron.tracing import enable_tracing
     from megatron_muon.testing.gpt import TinyGPTConfig, build_gpt, init_parallel, layout_ranks, train_step

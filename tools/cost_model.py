@@ -73,7 +73,7 @@ def calibrate_worker(ns_shapes: list, a2a_sizes: list, ag_sizes: list, elems: in
     import torch
     import torch.distributed as dist
 
-    from megatron_muon.newton_schulz import newton_schulz, ns_flops
+    from megatron_muon.core.newton_schulz import newton_schulz, ns_flops
 
     world, rank = dist.get_world_size(), dist.get_rank()
     out: dict = {"ns": [], "a2a": [], "ag": []}

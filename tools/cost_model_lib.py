@@ -53,9 +53,9 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Optional, Sequence
 
-from megatron_muon.newton_schulz import ns_flops
-from megatron_muon.plan import OwnerPlan, UnitTask, plan_owners
-from megatron_muon.units import gate_up_units, qkv_units
+from megatron_muon.core.newton_schulz import ns_flops
+from megatron_muon.core.plan import OwnerPlan, UnitTask, plan_owners
+from megatron_muon.core.units import gate_up_units, qkv_units
 
 __all__ = [
     "ModelConfig", "Layout", "RunConfig", "Hardware", "Prediction", "HARDWARE", "MODELS",

@@ -61,7 +61,7 @@ if [ "$HAVE_CUDA" -eq 1 ]; then
     step "triton vs torch on CUDA (realistic sizes, fp32 + bf16)" 140 "$PY" - <<'EOF'
 import sys, time, torch
 from megatron_muon.kernels import batched_newton_schulz
-from megatron_muon.newton_schulz import newton_schulz
+from megatron_muon.core.newton_schulz import newton_schulz
 
 torch.manual_seed(0)
 rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()
@@ -127,7 +127,7 @@ else
         cat > "$CHECK" <<'EOF'
 import sys, torch
 from megatron_muon.kernels import batched_newton_schulz
-from megatron_muon.newton_schulz import newton_schulz
+from megatron_muon.core.newton_schulz import newton_schulz
 bad = 0
 for shape, dtype, tol in [((16, 32), torch.float32, 1e-5), ((32, 16), torch.float32, 1e-5),
                           ((2, 16, 32), torch.bfloat16, 2e-2)]:

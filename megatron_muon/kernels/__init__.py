@@ -4,7 +4,7 @@
 first use of a triton backend (``triton.jit`` reads ``TRITON_INTERPRET`` at that moment).
 """
 
-from .backends import (
+from megatron_muon.kernels.backends import (
     BACKEND_NAMES,
     TritonConfig,
     available_backends,
@@ -13,7 +13,7 @@ from .backends import (
     torch_batched,
     torch_loop,
 )
-from .tuner import NSTuner
+from megatron_muon.kernels.tuner import NSTuner
 
 __all__ = [
     "batched_newton_schulz",

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import torch
 
-from ..newton_schulz import Coefficients, newton_schulz, resolve_coefficients
+from megatron_muon.core.newton_schulz import Coefficients, newton_schulz, resolve_coefficients
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .tuner import NSTuner
+    from megatron_muon.kernels.tuner import NSTuner
 
 __all__ = [
     "Backend",
@@ -131,7 +131,7 @@ def _triton_backend(config: Optional[str]) -> Backend:
                 "the triton NS backend needs triton installed and a CUDA tensor "
                 f"(or TRITON_INTERPRET=1 for CPU tensors); got a tensor on {x.device}"
             )
-        from . import triton_ns  # lazy: decorates the kernels (reads TRITON_INTERPRET) now
+        from megatron_muon.kernels import triton_ns  # lazy: decorates the kernels (reads TRITON_INTERPRET) now
 
         cfg = TritonConfig.parse(config) if config else None
         return triton_ns.triton_newton_schulz(x, list(coeffs), eps, dtype, cfg)

@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from .backends import TritonConfig
+from megatron_muon.kernels.backends import TritonConfig
 
 try:  # guarded: the package must import on machines without triton
     import triton
@@ -243,7 +243,7 @@ def triton_newton_schulz(x: torch.Tensor, coeffs: list[tuple[float, float, float
                          dtype: Optional[torch.dtype], cfg: Optional[TritonConfig] = None
                          ) -> torch.Tensor:
     """NS on x [b, m, n] with the Triton kernels; same maths and rounding points as
-    ``megatron_muon.newton_schulz.newton_schulz``.  Returns [b, m, n] in x's dtype."""
+    ``megatron_muon.core.newton_schulz.newton_schulz``.  Returns [b, m, n] in x's dtype."""
     _require_triton()
     if not x.is_cuda and not INTERPRETED:
         raise RuntimeError(

@@ -28,8 +28,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
-from ..newton_schulz import Coefficients, newton_schulz, resolve_coefficients
-from .backends import Backend, get_backend, triton_usable
+from megatron_muon.core.newton_schulz import Coefficients, newton_schulz, resolve_coefficients
+from megatron_muon.kernels.backends import Backend, get_backend, triton_usable
 
 __all__ = ["NSTuner", "CACHE_ENV", "default_candidates"]
 

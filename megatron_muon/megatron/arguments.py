@@ -40,7 +40,7 @@ import argparse
 import dataclasses
 from typing import Any, Optional, get_args
 
-from .config import (MUON_OPTIMIZERS, DMuonOptimizerConfig, check_dmuon_settings, choices_of,
+from megatron_muon.megatron.config import (MUON_OPTIMIZERS, DMuonOptimizerConfig, check_dmuon_settings, choices_of,
                      cli_fields, config_defaults, flag_of)
 
 __all__ = [

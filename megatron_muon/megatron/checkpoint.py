@@ -74,7 +74,7 @@ def _model_state(model: list, is_loading: bool) -> dict:
 
 def _sharded_state(model, optimizer, scheduler, step: int, is_loading: bool) -> dict:
     if is_loading:
-        from .compat import prepare_torch_adam_for_load
+        from megatron_muon.megatron.compat import prepare_torch_adam_for_load
 
         prepare_torch_adam_for_load(optimizer)
     state = _model_state(model, is_loading)
@@ -139,7 +139,7 @@ def save_checkpoint(directory: str, model: list, optimizer, step: int, scheduler
     """Write ``directory/iter_{step:07d}`` and a ``latest`` pointer; returns the path."""
     from megatron.core import dist_checkpointing
 
-    from .zero3 import gathered_params
+    from megatron_muon.megatron.zero3 import gathered_params
 
     path = os.path.join(directory, f"iter_{step:07d}")
     sync_params(model)
@@ -309,8 +309,8 @@ def load_checkpoint(directory: str, model: list, optimizer, scheduler=None,
         path, problem = p.path, (p.path, p.reason)
     _first_problem(problem)  # all ranks raise, or none
 
-    from .compat import load_optimizer_state
-    from .zero3 import gathered_params
+    from megatron_muon.megatron.compat import load_optimizer_state
+    from megatron_muon.megatron.zero3 import gathered_params
 
     note = None
     if scheduler is not None:  # a changed schedule fails before anything is loaded

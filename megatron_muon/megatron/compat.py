@@ -27,11 +27,11 @@ def device() -> torch.device:
 
 def ns_function(cfg) -> Callable:
     """The batched NS implementation DMuon's owners call (kernels when available)."""
-    from ..newton_schulz import newton_schulz
+    from megatron_muon.core.newton_schulz import newton_schulz
 
     backend = getattr(cfg, "dmuon_ns_backend", "auto")
     try:
-        from ..kernels import batched_newton_schulz
+        from megatron_muon.kernels import batched_newton_schulz
     except ImportError:
         if backend == "triton":
             raise ValueError("dmuon_ns_backend='triton' needs megatron_muon.kernels and triton")
@@ -40,7 +40,7 @@ def ns_function(cfg) -> Callable:
         return newton_schulz
     tuner = None
     if backend == "auto" and getattr(cfg, "dmuon_plan_cost", "flops") == "tuner":
-        from ..kernels import NSTuner
+        from megatron_muon.kernels import NSTuner
 
         tuner = NSTuner(cache_path=cfg.dmuon_tuner_cache)
 
@@ -421,7 +421,7 @@ def initialize_island_model_parallel(num_islands: int, island_size: int, island:
     Megatron-Core's model building (GPTModel, its layers, DDP and the pipeline schedules on
     0.16) reads ``parallel_state``, so an island needs its ``parallel_state`` to *be* the
     island's; 0.19 also takes ``pg_collection`` in most places, which
-    ``megatron_muon.megatron.islands`` builds from the same groups.
+    ``megatron_muon.islands.runtime`` builds from the same groups.
     """
     from megatron.core import parallel_state as ps
 

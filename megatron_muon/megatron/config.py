@@ -27,7 +27,7 @@ from typing import Any, Callable, Literal, Optional, get_args, get_origin
 
 from megatron.core.optimizer import OptimizerConfig
 
-from ..newton_schulz import COEFFICIENT_SETS, SCALE_MODES, resolve_coefficients
+from megatron_muon.core.newton_schulz import COEFFICIENT_SETS, SCALE_MODES, resolve_coefficients
 
 __all__ = ["DMuonOptimizerConfig", "MUON_OPTIMIZERS", "NS_PRECISIONS", "PLACEMENTS", "TP_MODES",
            "OVERLAP_MODES", "setting", "cli_fields", "flag_of", "choices_of", "resolve_overlap",

@@ -154,7 +154,7 @@ def _patch_megatron_without_te() -> None:
     except ImportError:
         return
     if not hasattr(moe_utils, "te_general_gemm"):
-        from .compat import set_megatron_attr
+        from megatron_muon.megatron.compat import set_megatron_attr
 
         set_megatron_attr(moe_utils, "te_general_gemm", None)
 

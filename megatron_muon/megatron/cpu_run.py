@@ -2,7 +2,7 @@
 
     python -m megatron_muon.megatron.cpu_run [--nproc N] [--timeout S] SCRIPT.py ARGS...
 
-Without torchrun's environment it starts ``N`` local ranks (``megatron_muon.launch``)
+Without torchrun's environment it starts ``N`` local ranks (``megatron_muon.distributed.launch``)
 that each run ``SCRIPT.py ARGS...``; under torchrun every process runs the script itself.
 Each rank turns on ``megatron_muon.megatron.cpu_mode`` and the shims below, and adds the
 CPU defaults (``CPU_DEFAULTS``) that ``ARGS`` does not already set.  On a machine with CUDA
@@ -139,7 +139,7 @@ def _shim_typing_override() -> None:
 
 def install_shims() -> None:
     """Turn on CPU mode and the shims (idempotent); call before the script imports Megatron."""
-    from .cpu_mode import enable_cpu_mode
+    from megatron_muon.megatron.cpu_mode import enable_cpu_mode
 
     _shim_typing_override()
     enable_cpu_mode()
@@ -148,7 +148,7 @@ def install_shims() -> None:
     import megatron.training.arguments as arguments
     import megatron.training.initialize as initialize
 
-    from .compat import replace_everywhere, set_megatron_attr
+    from megatron_muon.megatron.compat import replace_everywhere, set_megatron_attr
 
     if not getattr(initialize.initialize_megatron, "_megatron_muon_cpu", False):
         shim = _shim_initialize_megatron(initialize.initialize_megatron)
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     if "RANK" in os.environ:  # torchrun (or our own launcher) started this process
         _run_script(a.script, a.args)
         return 0
-    from ..launch import start_ranks, supervise
+    from megatron_muon.distributed.launch import start_ranks, supervise
 
     procs = start_ranks([sys.executable, "-m", "megatron_muon.megatron.cpu_run", a.script,
                          *a.args], a.nproc)

@@ -28,12 +28,12 @@ import torch.distributed as dist
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 
-from ..muon import decoupled_update, momentum_update
-from ..owner_centric import OwnerCentricNS, Piece, ShardedMatrix
-from ..plan import UnitTask, flops_cost, plan_owners
-from . import compat
-from .params import full_shape, muon_units, tp_partition_dim
-from .state_dict import AdamStateMixin, DMuonStateMixin
+from megatron_muon.core.muon import decoupled_update, momentum_update
+from megatron_muon.distributed.owner_centric import OwnerCentricNS, Piece, ShardedMatrix
+from megatron_muon.core.plan import UnitTask, flops_cost, plan_owners
+from megatron_muon.megatron import compat
+from megatron_muon.megatron.params import full_shape, muon_units, tp_partition_dim
+from megatron_muon.megatron.state_dict import AdamStateMixin, DMuonStateMixin
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class _SubsetMixin:
     @functools.cached_property
     def zero3(self) -> bool:
         """Fixed once built: ``factory.build_dmuon_optimizer`` shards the chunks first."""
-        from .zero3 import zero3s
+        from megatron_muon.megatron.zero3 import zero3s
 
         return bool(zero3s(self.model_chunks))
 
@@ -88,7 +88,7 @@ class _SubsetMixin:
                     dst = self._model_shard(model)
                     if dst.data_ptr() != main.data_ptr():  # fp32: the main param is the shard
                         dst.copy_(main)
-        from .zero3 import zero3s
+        from megatron_muon.megatron.zero3 import zero3s
 
         for z in zero3s(self.model_chunks):
             z.release_all()  # whatever is still gathered is stale now
@@ -151,7 +151,7 @@ class ShardedMuonStep(torch.optim.Optimizer):
         # overlap: DMuonOverlap's keyword arguments (a DMuonView and its flags), or None
         self.overlap = None
         if overlap is not None:
-            from .overlap import DMuonOverlap
+            from megatron_muon.megatron.overlap import DMuonOverlap
 
             self.overlap = DMuonOverlap(step=self, **overlap)
         # No 'step' in the param groups: Megatron's ChainedOptimizer._synchronize_steps
@@ -446,7 +446,7 @@ def _check_whole(key, p, pieces, holders: int) -> None:
 
 def _unit_cost(cfg):
     if cfg.dmuon_plan_cost == "tuner":
-        from ..kernels import NSTuner
+        from megatron_muon.kernels import NSTuner
 
         tuner = NSTuner(cache_path=cfg.dmuon_tuner_cache)
         dtype = torch.bfloat16 if cfg.muon_fp32_matmul_prec == "medium" else torch.float32

@@ -16,10 +16,10 @@ import torch.distributed as dist
 from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.optimizer import get_megatron_optimizer as _mcore_get_megatron_optimizer
 
-from . import compat
-from .dmuon import DMuonDistributedOptimizer, SubsetDistributedOptimizer
-from .groups import DMuonGroups
-from .params import is_muon_matrix
+from megatron_muon.megatron import compat
+from megatron_muon.megatron.dmuon import DMuonDistributedOptimizer, SubsetDistributedOptimizer
+from megatron_muon.megatron.groups import DMuonGroups
+from megatron_muon.megatron.params import is_muon_matrix
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +46,14 @@ def build_dmuon_optimizer(config, model_chunks, config_overrides=None,
                           use_gloo_process_groups: bool = True, pg_collection=None,
                           dump_param_to_param_group_map=None):
     """``ChainedOptimizer([DMuon for hidden matrices, AdamW DistributedOptimizer for the rest])``."""
-    from .config import DMuonOptimizerConfig
+    from megatron_muon.megatron.config import DMuonOptimizerConfig
 
     if not isinstance(config, DMuonOptimizerConfig):
         raise ValueError(f"optimizer={config.optimizer!r} needs a megatron_muon.DMuonOptimizerConfig")
     groups = DMuonGroups.build(pg_collection, model_chunks, use_gloo_process_groups)
     compat.check_supported(config, model_chunks, groups)
     if config.dmuon_zero3:
-        from .zero3 import shard_model
+        from megatron_muon.megatron.zero3 import shard_model
 
         shard_model(model_chunks)
     names = {}
@@ -96,7 +96,7 @@ def build_dmuon_optimizer(config, model_chunks, config_overrides=None,
     if config.dmuon_trace_dir:
         import atexit
 
-        from .tracing import enable_tracing, save_trace
+        from megatron_muon.megatron.tracing import enable_tracing, save_trace
 
         enable_tracing(model_chunks, chained)
         atexit.register(save_trace, config.dmuon_trace_dir)

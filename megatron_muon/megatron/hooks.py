@@ -42,7 +42,7 @@ import types
 import weakref
 from typing import Callable, ContextManager, Optional
 
-from .compat import MCORE_VERSION
+from megatron_muon.megatron.compat import MCORE_VERSION
 
 __all__ = ["before", "after", "replace", "observe", "remove_all", "installed",
            "on_grad_sync_started", "before_param_sync", "on_backward_done", "Registration",

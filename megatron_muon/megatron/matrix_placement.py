@@ -2,7 +2,7 @@
 
 Megatron shards every bucket of a DDP buffer into equal contiguous ranges, one per
 data-parallel rank, cutting through matrices.  With ``matrix_placement(...)`` each bucket
-is laid out by ``megatron_muon.placement.place_bucket`` instead: every Muon matrix (the
+is laid out by ``megatron_muon.core.placement.place_bucket`` instead: every Muon matrix (the
 TP-local shard of a unit) lies whole inside one DP rank's range, the 1-D non-Muon tensors
 (norms, biases) fill the gaps, and 2-D non-Muon tensors (embeddings, output layer) get
 plain, evenly sharded buckets of their own (``matrix_layout``).
@@ -39,8 +39,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ..placement import BucketPlacement, Item, permute_shards, place_bucket
-from . import compat
+from megatron_muon.core.placement import BucketPlacement, Item, permute_shards, place_bucket
+from megatron_muon.megatron import compat
 
 logger = logging.getLogger(__name__)
 
@@ -299,7 +299,7 @@ def matrix_placement_for(config, log: bool = True) -> MatrixPlacement:
     """``matrix_placement`` with the Muon/AdamW split of a ``DMuonOptimizerConfig`` or of
     Megatron-LM ``args`` (``--dmuon-adam-params``), so the buffers and DMuon agree; with
     ``dmuon_zero3`` the whole-parameter layout of ZeRO-3."""
-    from .params import is_muon_matrix
+    from megatron_muon.megatron.params import is_muon_matrix
 
     extra = getattr(config, "dmuon_adam_params", None)
     return matrix_placement(lambda name, p: is_muon_matrix(name, p, extra), log=log,

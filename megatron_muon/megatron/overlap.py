@@ -32,9 +32,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..muon import momentum_update
-from ..trace import span
-from . import hooks
+from megatron_muon.core.muon import momentum_update
+from megatron_muon.distributed.trace import span
+from megatron_muon.megatron import hooks
 
 logger = logging.getLogger(__name__)
 

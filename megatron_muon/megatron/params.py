@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ..units import Unit, gate_up_units, qkv_units, whole_units
+from megatron_muon.core.units import Unit, gate_up_units, qkv_units, whole_units
 
 __all__ = ["is_muon_matrix", "muon_units", "full_shape", "tp_partition_dim"]
 

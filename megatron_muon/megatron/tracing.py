@@ -1,4 +1,4 @@
-"""Megatron side of the per-rank timeline (``megatron_muon.trace``).
+"""Megatron side of the per-rank timeline (``megatron_muon.distributed.trace``).
 
 ``enable_tracing(model_chunks, optimizer)`` observes, on this process only, through
 ``megatron_muon.megatron.hooks``:
@@ -22,8 +22,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .. import trace
-from . import hooks
+from megatron_muon.distributed import trace
+from megatron_muon.megatron import hooks
 
 __all__ = ["enable_tracing", "disable_tracing", "save_trace"]
 

@@ -43,7 +43,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import hooks
+from megatron_muon.megatron import hooks
 
 logger = logging.getLogger(__name__)
 

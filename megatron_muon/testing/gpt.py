@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ..megatron.models import global_param_name, init_parallel, wire_ddp_hooks
+from megatron_muon.megatron.models import global_param_name, init_parallel, wire_ddp_hooks
 
 __all__ = [
     "TinyGPTConfig",
@@ -62,7 +62,7 @@ def transformer_config(cfg: TinyGPTConfig):
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
 
-    from ..megatron.cpu_mode import cpu_transformer_config
+    from megatron_muon.megatron.cpu_mode import cpu_transformer_config
 
     kwargs = dict(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
@@ -254,7 +254,7 @@ def layout_ranks() -> dict:
 
 def full_named_params(model: list, use_main_params: bool = False) -> dict:
     """{global name: full (TP-gathered) fp32 tensor} for this rank's stage, on CPU."""
-    from ..megatron.zero3 import gathered_params
+    from megatron_muon.megatron.zero3 import gathered_params
 
     with gathered_params(model):
         return _full_named_params(model)

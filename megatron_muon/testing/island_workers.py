@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .gpt import TinyGPTConfig, build_gpt, full_named_params, init_parallel, train_step
-from .workers import constant_scheduler, make_optimizer_config
+from megatron_muon.testing.gpt import TinyGPTConfig, build_gpt, full_named_params, init_parallel, train_step
+from megatron_muon.testing.workers import constant_scheduler, make_optimizer_config
 
 __all__ = ["islands_suite", "islands_fault"]
 
@@ -54,7 +54,7 @@ def _inner_steps(model, optim, sched, gcfg, island: int, first: int, H: int) -> 
 def _island_run(gcfg, K: int, tp: int, pp: int, outer_kw: dict, rounds: int, H: int,
                 checkpoint: Optional[str] = None) -> dict:
     """Train ``rounds`` x (H inner steps + outer step); record what the reference needs."""
-    from megatron_muon.megatron.islands import (IslandOuterStep, destroy_islands,
+    from megatron_muon.islands.runtime import (IslandOuterStep, destroy_islands,
                                                 initialize_islands, load_island_checkpoint,
                                                 save_island_checkpoint)
 
@@ -156,7 +156,7 @@ def islands_fault(rounds: int = 6, H: int = 1, stall_island: int = 3, stall_roun
                   stall_s: float = 2.5, island_timeout: float = 1.0) -> dict:
     """K = world islands of 1 rank, fault mode; island ``stall_island`` sleeps ``stall_s``
     before its outer step of round ``stall_round``."""
-    from megatron_muon.megatron.islands import (IslandOuterStep, destroy_islands,
+    from megatron_muon.islands.runtime import (IslandOuterStep, destroy_islands,
                                                 initialize_islands)
 
     gcfg = TinyGPTConfig(**TINY)

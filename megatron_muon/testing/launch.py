@@ -7,7 +7,7 @@ NCCL on GPUs), turns on the Megatron CPU mode when CUDA is absent, calls
 results, or raises ``RankFailure`` naming the failing rank, its exit code or signal and its
 output tail -- it never hangs: past ``timeout`` every rank is killed and the call fails.
 
-The ranks are started and stopped by the library's launcher (``megatron_muon.launch``:
+The ranks are started and stopped by the library's launcher (``megatron_muon.distributed.launch``:
 ``start_ranks`` / ``supervise``, re-exported here with its other names).
 """
 
@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from ..launch import describe_exit, rank_env, rendezvous_store, start_ranks, supervise
+from megatron_muon.distributed.launch import describe_exit, rank_env, rendezvous_store, start_ranks, supervise
 
 __all__ = ["run_ranks", "RankFailure", "start_ranks", "supervise", "rendezvous_store",
            "rank_env", "describe_exit"]

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .gpt import TinyGPTConfig, build_gpt, full_named_params, global_batch, init_parallel, \
+from megatron_muon.testing.gpt import TinyGPTConfig, build_gpt, full_named_params, global_batch, init_parallel, \
     layout_ranks, train_step, wire_ddp_hooks
 
 __all__ = ["lora_train", "lora_tp1_checks", "lora_resume_chain"]
@@ -79,7 +79,7 @@ def _sp_torch_norm():
 
 
 def _build(cfg: TinyGPTConfig, lora: dict):
-    from megatron_muon.megatron.lora import LoRAConfig, apply_lora
+    from megatron_muon.peft.lora import LoRAConfig, apply_lora
 
     with _sp_torch_norm():
         chunks = build_gpt(cfg, wrap_ddp=False)
@@ -88,7 +88,7 @@ def _build(cfg: TinyGPTConfig, lora: dict):
 
 
 def _train(model, cfg, optimizer: str, steps: int, opt: dict, **okw):
-    from megatron_muon.megatron.lora_optimizer import LoRAOptimizer
+    from megatron_muon.peft.lora_optimizer import LoRAOptimizer
 
     optim = LoRAOptimizer(model, optimizer, **{**OPT, **opt}, **okw)
     lay = layout_ranks()
@@ -111,7 +111,7 @@ def lora_train(cfg: dict, tp: int = 1, pp: int = 1, steps: int = 4, runs: Option
     ``save``: after the first run, write ``save/adapter.pt`` (save_lora) and, with PP 1, a
     full-model dist_checkpointing checkpoint ``save/full`` (base + adapters).
     """
-    from megatron_muon.megatron.lora import full_lora_factors, save_lora
+    from megatron_muon.peft.lora import full_lora_factors, save_lora
 
     lora = {**LORA, **(lora or {})}
     init_parallel(tp=tp, pp=pp, seed=TinyGPTConfig().seed)
@@ -146,7 +146,7 @@ def lora_train(cfg: dict, tp: int = 1, pp: int = 1, steps: int = 4, runs: Option
 
 
 def _attributes(model) -> dict:
-    from megatron_muon.megatron.lora import lora_adapters
+    from megatron_muon.peft.lora import lora_adapters
 
     out = {}
     for ad in lora_adapters(model):
@@ -172,7 +172,7 @@ def lora_tp1_checks(cfg: dict, tp2_checkpoint: str, steps: int = 4,
                     runs: Optional[dict] = None, pp2_checkpoint: Optional[str] = None) -> dict:
     """TP1: B = 0 equals base, merge/unmerge, reference training, TP2 checkpoint -> TP1, errors,
     MoE experts."""
-    from megatron_muon.megatron.lora import (LoRAConfig, apply_lora,
+    from megatron_muon.peft.lora import (LoRAConfig, apply_lora,
                                              lora_disabled, load_lora, merge_lora,
                                              read_lora_config, unmerge_lora)
 
@@ -215,7 +215,7 @@ def lora_tp1_checks(cfg: dict, tp2_checkpoint: str, steps: int = 4,
     # --- the TP2 full-model dist_checkpointing checkpoint (base + sharded adapters) at TP1
     from megatron.core import dist_checkpointing
 
-    from megatron_muon.megatron.lora import full_lora_factors
+    from megatron_muon.peft.lora import full_lora_factors
 
     chunks = build_gpt(gcfg, wrap_ddp=False)
     apply_lora(chunks, LoRAConfig(**LORA))
@@ -247,7 +247,7 @@ def lora_tp1_checks(cfg: dict, tp2_checkpoint: str, steps: int = 4,
         "twice": lambda: apply_lora(chunks, targets=["qkv"]),
         "after_ddp": lambda: apply_lora(_wrap_ddp(fresh(), gcfg)),
         "bad_optimizer": lambda: __import__(
-            "megatron_muon.megatron.lora_optimizer", fromlist=["x"]).LoRAOptimizer(
+            "megatron_muon.peft.lora_optimizer", fromlist=["x"]).LoRAOptimizer(
                 chunks, "sgd", lr=0.1),
         "load_missing": lambda: load_lora(os.path.join(tp2_checkpoint, "nope.pt"), chunks),
     }
@@ -277,8 +277,8 @@ def lora_resume_chain(cfg: dict, directory: str, tp: int = 1, optimizers=("smuon
     optimizer state file written by the previous segment, and write their own.  Returns both
     runs' losses and final adapters.  (The frozen base is re-created identically: its
     weights are seeded by their global names.)"""
-    from megatron_muon.megatron.lora import full_lora_factors, load_lora, save_lora
-    from megatron_muon.megatron.lora_optimizer import LoRAOptimizer
+    from megatron_muon.peft.lora import full_lora_factors, load_lora, save_lora
+    from megatron_muon.peft.lora_optimizer import LoRAOptimizer
 
     init_parallel(tp=tp, seed=TinyGPTConfig().seed)
     gcfg = TinyGPTConfig(**cfg)

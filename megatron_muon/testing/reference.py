@@ -12,10 +12,10 @@ from typing import Optional
 
 import torch
 
-from ..megatron.params import is_muon_matrix, muon_units, tp_partition_dim
-from ..muon import Muon
-from ..units import shard_units
-from .gpt import TinyGPTConfig, build_gpt, full_named_params, init_parallel, train_step
+from megatron_muon.megatron.params import is_muon_matrix, muon_units, tp_partition_dim
+from megatron_muon.core.muon import Muon
+from megatron_muon.core.units import shard_units
+from megatron_muon.testing.gpt import TinyGPTConfig, build_gpt, full_named_params, init_parallel, train_step
 
 __all__ = ["reference_train"]
 
@@ -39,7 +39,7 @@ def reference_train(cfg: dict, dp_size: int, steps: int = 3, opt: Optional[dict]
                     tp_blockwise: int = 1) -> dict:
     """``tp_blockwise > 1``: Newton-Schulz per TP shard of that TP size (the oracle of
     ``dmuon_tp_mode='blockwise'``)."""
-    from .workers import make_optimizer_config
+    from megatron_muon.testing.workers import make_optimizer_config
 
     gcfg = TinyGPTConfig(**cfg)
     init_parallel(1, 1, seed=gcfg.seed)

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .gpt import (TinyGPTConfig, build_gpt, full_named_params, global_param_name, init_parallel,
+from megatron_muon.testing.gpt import (TinyGPTConfig, build_gpt, full_named_params, global_param_name, init_parallel,
                   layout_ranks, train_step)
 
 __all__ = ["train_megatron", "train_variants", "make_optimizer_config", "constant_scheduler"]

@@ -14,8 +14,8 @@ from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 
-from .newton_schulz import muon_scale, newton_schulz, resolve_coefficients, SCALE_MODES
-from .units import Unit, extract_unit, insert_unit, whole_units
+from megatron_muon.core.newton_schulz import muon_scale, newton_schulz, resolve_coefficients, SCALE_MODES
+from megatron_muon.core.units import Unit, extract_unit, insert_unit, whole_units
 
 __all__ = ["Muon", "muon_update_direction", "check_muon_hyperparameters", "momentum_update",
            "momentum_step", "decoupled_update", "check_finite_gradient", "evaluate_closure"]

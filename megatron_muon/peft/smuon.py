@@ -64,9 +64,9 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from .muon import (check_finite_gradient, check_muon_hyperparameters, decoupled_update,
+from megatron_muon.core.muon import (check_finite_gradient, check_muon_hyperparameters, decoupled_update,
                    evaluate_closure, momentum_step)
-from .newton_schulz import Coefficients, muon_scale, newton_schulz, resolve_coefficients
+from megatron_muon.core.newton_schulz import Coefficients, muon_scale, newton_schulz, resolve_coefficients
 
 __all__ = ["smuon_direction", "SMuon"]
 

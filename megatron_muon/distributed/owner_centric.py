@@ -25,11 +25,11 @@ from typing import Callable, Hashable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .comm import CommStats, all_to_all_flat
-from .newton_schulz import muon_scale, newton_schulz
-from .plan import OwnerPlan
-from .trace import span
-from .units import Unit, unit_positions
+from megatron_muon.distributed.comm import CommStats, all_to_all_flat
+from megatron_muon.core.newton_schulz import muon_scale, newton_schulz
+from megatron_muon.core.plan import OwnerPlan
+from megatron_muon.distributed.trace import span
+from megatron_muon.core.units import Unit, unit_positions
 
 __all__ = ["Piece", "ShardedMatrix", "OwnerCentricNS", "joint_blocks"]
 

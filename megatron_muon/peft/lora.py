@@ -515,7 +515,7 @@ def apply_lora(model, config: Optional[LoRAConfig] = None, **kwargs) -> list[LoR
         raise ValueError("give either a LoRAConfig or keyword arguments, not both")
     elif not isinstance(config, LoRAConfig):
         raise ValueError(f"config must be a LoRAConfig, got {type(config).__name__}")
-    from . import hooks
+    from megatron_muon.megatron import hooks
 
     config.validate()
     from megatron.core.utils import unwrap_model

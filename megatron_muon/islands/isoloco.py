@@ -53,7 +53,7 @@ schedule (``ISO_NS_*`` below) is:
    null-space noise through the single cleanup step (4e-5 .. 8e-5 on rank-deficient).
 
 Measured error ``||iso_ns - iso_svd||_F / ||iso_svd||_F`` with this schedule (reference:
-fp64 SVD with the NS dtype's rank cutoff); ``python -m megatron_muon.isoloco [--large]
+fp64 SVD with the NS dtype's rank cutoff); ``python -m megatron_muon.islands.isoloco [--large]
 [--dtype float64]`` prints the table:
 - fp32, cond <= 1e3 (geometric or flat spectrum; 256^2, 512x128, 128x512, 1024^2, 2048^2,
   1024x4096): <= 1.2e-5; exactly rank-deficient (rank s/2): <= 2.6e-6; mean(S) itself
@@ -78,7 +78,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from .newton_schulz import Coefficients, resolve_coefficients
+from megatron_muon.core.newton_schulz import Coefficients, resolve_coefficients
 
 __all__ = [
     "ISO_NS_STEPS",

@@ -55,7 +55,7 @@ Every H inner steps, on every rank:
    on its share only, over its own cross-island group, and broadcasts the new values to the
    other DP ranks of its island at the end. TP shards and PP stages stay where they are.
 2. ``mean D``: one all-reduce of a flat buffer over the cross-island group, divided by K.
-3. Outer optimizer: ``megatron_muon.isoloco.OuterOptimizer`` over this rank's (sharded)
+3. Outer optimizer: ``megatron_muon.islands.isoloco.OuterOptimizer`` over this rank's (sharded)
    parameters -- DiLoCo (Nesterov SGD) or IsoLoCo (Iso-C with ``svd`` or ``ns`` mode, both
    orders). Non-matrix parameters use mean D as is.
 4. Iso-C needs the *full* matrix, and is computed once per matrix: ``plan_owners`` places
@@ -69,7 +69,7 @@ Every H inner steps, on every rank:
    of Megatron DDP) and ``optimizer.reload_model_params()`` refreshes the inner optimizer's
    main parameters. The inner optimizer state (AdamW moments) is kept, as in DiLoCo.
 
-Bytes are counted in ``IslandOuterStep.comm_stats`` (``megatron_muon.comm.CommStats``) with
+Bytes are counted in ``IslandOuterStep.comm_stats`` (``megatron_muon.distributed.comm.CommStats``) with
 the usual ring-algorithm model: all-reduce ``2 (g-1)/g n``, broadcast ``(g-1)/g n``,
 all-to-all exact (what leaves the rank).
 
@@ -129,10 +129,10 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm import CommStats, all_to_all_flat
-from ..isoloco import OUTER_DEFAULTS, OuterOptimizer
-from ..plan import UnitTask, plan_owners
-from . import compat
+from megatron_muon.distributed.comm import CommStats, all_to_all_flat
+from megatron_muon.islands.isoloco import OUTER_DEFAULTS, OuterOptimizer
+from megatron_muon.core.plan import UnitTask, plan_owners
+from megatron_muon.megatron import compat
 
 __all__ = [
     "IslandLayout",
@@ -284,7 +284,7 @@ def initialize_islands(num_islands: int, tp: int = 1, pp: int = 1, vpp: Optional
         model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available())
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from .groups import DMuonGroups
+    from megatron_muon.megatron.groups import DMuonGroups
 
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     _LAYOUT = IslandLayout(num_islands=num_islands, island_size=size, island=island,
@@ -387,7 +387,7 @@ def island_param_names(model: list) -> list[tuple[str, torch.Tensor]]:
     """(global name, parameter) of this rank's model chunks, names with global layer numbers."""
     from megatron.core.utils import unwrap_model
 
-    from .models import global_param_name
+    from megatron_muon.megatron.models import global_param_name
 
     out = []
     for chunk in model:
@@ -409,7 +409,7 @@ class IslandOuterStep:
         model: this rank's Megatron model chunks (DDP-wrapped or not).
         layout: from ``initialize_islands`` (default: the current one).
         method, lr, momentum, nesterov, order, iso_mode, ns_steps, ns_coefficients,
-            ns_cleanup_steps, iso_filter: as ``megatron_muon.isoloco.OuterOptimizer``
+            ns_cleanup_steps, iso_filter: as ``megatron_muon.islands.isoloco.OuterOptimizer``
             (``iso_filter(name, full_shape)`` picks the Iso-C matrices; default all 2-D).
         inner_optimizer: the Megatron optimizer of the island; its ``reload_model_params``
             is called after the model parameters are replaced.

@@ -2,8 +2,8 @@
 
 ``LoRAOptimizer(model, "smuon" | "adam" | "muon_factors", lr=...)`` keeps an fp32 *full*
 (TP-unsharded, canonical layout) master copy of every adapter's A and B on each rank and runs
-a plain single-device optimizer on them -- :class:`~megatron_muon.smuon.SMuon`,
-``torch.optim.AdamW`` or :class:`~megatron_muon.muon.Muon` (on A and B separately) -- so the
+a plain single-device optimizer on them -- :class:`~megatron_muon.peft.smuon.SMuon`,
+``torch.optim.AdamW`` or :class:`~megatron_muon.core.muon.Muon` (on A and B separately) -- so the
 maths is exactly the tested single-device maths whatever the TP layout.  Per step:
 
 1. gradients: the replicated factor's gradient is already complete on every TP rank (the
@@ -32,7 +32,7 @@ non-finite gradient norm skips the step (``update_successful = False``), as Mega
 optimizers do.
 
 ``last_timing`` holds the host-clock seconds of the last step's phases (gradient gather,
-directions, exchange, total); each phase is also a ``megatron_muon.trace`` span (and so a
+directions, exchange, total); each phase is also a ``megatron_muon.distributed.trace`` span (and so a
 ``torch.profiler`` range).  On GPUs the host clock times kernel launches, not the kernels:
 ``profile=True`` synchronises the device around each phase so that it measures the work --
 at the cost of those synchronisations, hence off by default.
@@ -47,10 +47,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..muon import Muon
-from ..smuon import SMuon
-from ..trace import span
-from .lora import LoRAAdapter, _as_chunks, lora_adapters
+from megatron_muon.core.muon import Muon
+from megatron_muon.peft.smuon import SMuon
+from megatron_muon.distributed.trace import span
+from megatron_muon.peft.lora import LoRAAdapter, _as_chunks, lora_adapters
 
 __all__ = ["LoRAOptimizer", "LORA_OPTIMIZERS"]
 
@@ -69,7 +69,7 @@ class LoRAOptimizer:
 
     Args:
         model: the model (module or list of pipeline chunks, DDP-wrapped or not) after
-            :func:`~megatron_muon.megatron.lora.apply_lora` (and after loading adapters).
+            :func:`~megatron_muon.peft.lora.apply_lora` (and after loading adapters).
         optimizer: ``smuon``, ``adam`` (AdamW on A and B) or ``muon_factors`` (Muon on A and B
             separately, each factor orthogonalised on its own).
         lr, weight_decay, clip_grad (0 = off): as usual.

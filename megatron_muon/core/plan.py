@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from .newton_schulz import ns_flops
+from megatron_muon.core.newton_schulz import ns_flops
 
 __all__ = ["UnitTask", "OwnerPlan", "plan_owners", "flops_cost"]
 

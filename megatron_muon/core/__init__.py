@@ -1,0 +1,1 @@
+"""core: see the architecture tree in README.md."""

@@ -1,0 +1,1 @@
+"""distributed: see the architecture tree in README.md."""

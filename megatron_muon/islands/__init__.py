@@ -1,0 +1,1 @@
+"""islands: see the architecture tree in README.md."""

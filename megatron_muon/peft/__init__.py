@@ -1,0 +1,1 @@
+"""peft: see the architecture tree in README.md."""
