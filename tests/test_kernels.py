@@ -1,4 +1,5 @@
-"""Batched NS backends: agreement with the reference, coefficient behaviour, errors, Triton.
+"""Batched NS backends: agreement with the reference, coefficient behaviour, errors, Triton,
+and Gram Newton-Schulz against standard NS (exactness, fp32 / bf16 accuracy, flops).
 
 Tolerances: on CPU the batched and looped torch paths run the same kernels and agree
 bit for bit; the bounds below (fp32 1e-5, bf16 2e-2 relative Frobenius) leave room for
@@ -20,8 +21,9 @@ import pytest
 import torch
 
 from megatron_muon.kernels import available_backends, batched_newton_schulz, get_backend
-from megatron_muon.kernels.backends import torch_batched, torch_loop
-from megatron_muon.core.newton_schulz import COEFFICIENT_SETS, newton_schulz, resolve_coefficients
+from megatron_muon.kernels.backends import torch_batched, torch_gram, torch_loop
+from megatron_muon.core.newton_schulz import (COEFFICIENT_SETS, default_gram_restart, newton_schulz, ns_flops,
+                                         resolve_coefficients)
 
 REPO = Path(__file__).resolve().parents[1]
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -270,3 +272,177 @@ def test_triton_interpreted_matches_torch(tmp_path):
     for key, err in res.items():
         tol = 2e-2 if "bfloat16" in key else 1e-5
         assert err < tol, (key, err)
+
+
+# ---------------------------------------------------------------- Gram Newton-Schulz
+# Same polynomial on the Gram matrix (docs/design.md#gram-newton-schulz).
+NS_RUNS = [("quintic", 5), ("simple", 5), ("polar_express", 5), ("polar_express", 8), ("cubic", 10)]
+GRAM_SHAPES = SHAPES + [(2, 64, 256), (2, 256, 64)]
+
+
+def _spectrum_input(batch, m, n, spectrum, seed=0):
+    """U diag(spectrum(s)) V^T with random orthonormal U, V (s = min(m, n)), in fp32."""
+    g = torch.Generator().manual_seed(seed)
+    s = min(m, n)
+    U, _ = torch.linalg.qr(torch.randn(batch or 1, m, s, generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(batch or 1, n, s, generator=g, dtype=torch.float64))
+    x = ((U * spectrum(s)) @ V.transpose(1, 2)).float()
+    return x if batch else x[0]
+
+
+def _power_law(s):  # sigma_i = 1 / i: a momentum-like spectrum, condition number s
+    return 1.0 / torch.arange(1, s + 1, dtype=torch.float64)
+
+
+def _cond_1e3(s):
+    return torch.logspace(0, -3, s, dtype=torch.float64)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("restart", [0, 1, 2, 3])
+@pytest.mark.parametrize("name,steps", NS_RUNS)
+def test_gram_equals_standard_in_exact_arithmetic(name, steps, restart):
+    """In fp64 (unit roundoff 1.1e-16) the two methods agree to rounding: 1e-12 is 1e4 u,
+    far above fp64 rounding amplified as in fp32 (~100 u, see below) and far below any
+    algebra mistake (a wrong P, Q order or restart gives O(1))."""
+    for shape in [(None, 24, 56), (None, 56, 24), (3, 48, 48), (3, 20, 36)]:
+        x = _input(*shape).double()
+        ref = newton_schulz(x, steps, name)
+        out = newton_schulz(x, steps, name, method="gram", gram_restart=restart)
+        assert out.shape == x.shape and out.dtype == x.dtype
+        assert _rel(out, ref) < 1e-12, (shape, _rel(out, ref))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name,steps", NS_RUNS)
+def test_gram_fp32_within_1e5_of_standard(name, steps):
+    """fp32 Gram (default restarts: every 3 steps for quintic and cubic, else 2) vs fp32
+    standard NS: relative Frobenius distance < 1e-5, on Gaussian and power-law
+    (sigma_i = 1/i) inputs, wide, tall, batched.
+
+    Bound: each method is within ~5e-6 of the fp64 result here (measured: standard up to
+    3.8e-6, Gram up to 5.1e-6; ~60-85 u32 = 2^-24 each: every step rounds X or Q to u32
+    and the later steps' polynomial slope, up to a ~ 4-8, carries it on), so the two
+    are within 1e-5 of each other; measured max 5.0e-6 (quintic, power law).  A mistake
+    is O(1) off."""
+    for shape in GRAM_SHAPES:
+        for x in (_input(*shape), _spectrum_input(*shape, _power_law)):
+            ref = newton_schulz(x, steps, name)
+            out = newton_schulz(x, steps, name, method="gram")
+            assert out.shape == x.shape and out.dtype == torch.float32
+            assert _rel(out, ref) < 1e-5, (shape, _rel(out, ref))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name,steps", NS_RUNS)
+def test_gram_bf16_as_accurate_as_standard(name, steps):
+    """bf16 Gram is no further from the fp64 result than bf16 standard NS, up to one bf16
+    unit roundoff (2^-8).  Strict <= is not guaranteed: the two round at different points,
+    so their distances (both ~1.5e-2 = 4 u here) differ by a fraction of u either way
+    (measured: -1.3 u .. +0.8 u, polar_express the worst).  With G kept in bf16 instead
+    of fp32 this failed by up to 7.7 u (docs/design.md#gram-newton-schulz)."""
+    for shape in GRAM_SHAPES:
+        for x in (_input(*shape), _spectrum_input(*shape, _power_law)):
+            exact = newton_schulz(x.double(), steps, name)
+            std = newton_schulz(x, steps, name, dtype=torch.bfloat16)
+            gram = newton_schulz(x, steps, name, dtype=torch.bfloat16, method="gram")
+            assert gram.dtype == torch.float32 and gram.shape == x.shape
+            assert _rel(gram, exact) <= _rel(std, exact) + 2.0**-8, (shape, _rel(gram, exact), _rel(std, exact))
+
+
+@pytest.mark.timeout(60)
+def test_gram_restarts_keep_ill_conditioned_inputs_accurate():
+    """Condition number 1e3: Gram's error between restarts grows with kappa^2 (the Gram
+    matrix squares it), so without restarts fp32 Gram is 1e-4..3e-3 from the exact result
+    (measured) while standard fp32 is within 1e-5; the default restarts keep it within
+    standard's distance + 1e-5 (the tuner's fp32 allowance; measured at most +4.0e-6,
+    quintic restarting every 3 steps)."""
+    x = _spectrum_input(2, 64, 256, _cond_1e3)
+    for name, steps in NS_RUNS[:4]:
+        exact = newton_schulz(x.double(), steps, name)
+        std = _rel(newton_schulz(x, steps, name), exact)
+        assert std < 1e-5
+        assert _rel(newton_schulz(x, steps, name, method="gram"), exact) <= std + 1e-5
+        assert _rel(newton_schulz(x, steps, name, method="gram", gram_restart=0), exact) > std + 1e-5
+
+
+@pytest.mark.timeout(60)
+def test_leading_batch_dims_and_batched_entry_point():
+    """[..., m, n]: every matrix is orthogonalised alone, by both methods; the batched
+    entry point runs Gram on the batch (auto / torch_batched / torch_gram) or per matrix
+    (torch_loop) and refuses Triton, which has no Gram kernel."""
+    x = _input(6, 20, 36).reshape(2, 3, 20, 36)
+    for method in ("standard", "gram"):
+        out = newton_schulz(x, 5, "quintic", method=method)
+        assert out.shape == x.shape
+        for i in range(2):
+            for j in range(3):
+                assert _rel(out[i, j], newton_schulz(x[i, j], 5, "quintic", method=method)) < 1e-6
+    y = _input(3, 40, 24)
+    ref = newton_schulz(y, 5, "quintic", method="gram")
+    for backend in ("auto", "torch_batched", "torch_gram", "torch_loop"):
+        out = batched_newton_schulz(y, 5, "quintic", backend=backend, method="gram")
+        assert _rel(out, ref) < 1e-6, backend
+    assert torch.equal(batched_newton_schulz(y, 5, "quintic", backend="torch_gram"), ref)
+    r0 = batched_newton_schulz(y, 5, "quintic", backend="torch_gram:r0")
+    assert torch.equal(r0, newton_schulz(y, 5, "quintic", method="gram", gram_restart=0))
+    with pytest.raises(ValueError, match="no Triton Gram kernel"):
+        batched_newton_schulz(y, method="gram", backend="triton")
+    with pytest.raises(ValueError, match="unknown Newton-Schulz method 'fast'"):
+        newton_schulz(y, method="fast")
+    with pytest.raises(ValueError, match="gram_restart must be an integer >= 0"):
+        newton_schulz(y, method="gram", gram_restart=-1)
+    with pytest.raises(ValueError, match="bad torch_gram config"):
+        get_backend("torch_gram:2")
+
+
+class _FlopCounter(torch.overrides.TorchFunctionMode):
+    """Counts the flops of every (b)mm / baddbmm actually run (2 per multiply-add)."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.bmm, torch.baddbmm):
+            a, b = (args[0], args[1]) if func is torch.bmm else (args[1], args[2])
+            self.flops += 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+        return func(*args, **kwargs)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("restart", [0, 1, 2, 3])
+@pytest.mark.parametrize("shape", [(48, 160), (160, 48), (40, 40)])
+def test_ns_flops_counts_what_runs(shape, restart):
+    """ns_flops(method=...) equals the matmul flops the implementation performs (quintic:
+    c != 0), so the owner plan's cost model can price the chosen method."""
+    steps = 5
+    x = torch.randn(2, *shape)
+    for method in ("standard", "gram"):
+        with _FlopCounter() as counter:
+            newton_schulz(x, steps, "quintic", method=method, gram_restart=restart)
+        assert counter.flops == 2 * ns_flops(*shape, steps, method, gram_restart=restart), method
+    # aspect ratio 4, 5 steps: gram needs 5/9 of the flops without restarts, 7/9 with the default
+    assert ns_flops(512, 2048, 5, "gram", gram_restart=0) / ns_flops(512, 2048, 5) == pytest.approx(5 / 9)
+    assert ns_flops(2048, 512, 5, "gram") / ns_flops(2048, 512, 5) == pytest.approx(7 / 9)
+    assert ns_flops(2048, 512, 5, "gram", coefficients="quintic") / ns_flops(2048, 512, 5) == pytest.approx(6 / 9)
+    assert ns_flops(64, 64, 5) == ns_flops(64, 64, 5, "standard") == 5 * 6 * 64**3  # unchanged
+
+
+@pytest.mark.timeout(30)
+def test_default_gram_restart_per_coefficient_set():
+    """quintic and cubic restart every 3 steps, everything else every 2; explicit triples
+    equal to a named set's get its period (the backends only see triples), and every
+    path (newton_schulz, the torch_gram backend, ns_flops) uses the same default."""
+    assert default_gram_restart("quintic") == default_gram_restart("cubic") == 3
+    assert default_gram_restart("simple") == default_gram_restart("polar_express") == 2
+    assert default_gram_restart(resolve_coefficients("quintic", 7)) == 3
+    assert default_gram_restart([(3.0, -3.2, 1.2)]) == 2
+    x = _input(2, 24, 56)
+    for name in ("quintic", "polar_express"):
+        r = default_gram_restart(name)
+        ref = newton_schulz(x, 5, name, method="gram", gram_restart=r)
+        assert torch.equal(newton_schulz(x, 5, name, method="gram"), ref)
+        assert torch.equal(torch_gram(x, resolve_coefficients(name, 5), 1e-7, None), ref)
+        assert ns_flops(24, 56, 5, "gram", coefficients=name) == ns_flops(24, 56, 5, "gram", gram_restart=r)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_muon.kernels import NSTuner, batched_newton_schulz
-from megatron_muon.kernels.backends import torch_batched, torch_loop
+from megatron_muon.kernels.backends import torch_batched, torch_gram, torch_loop
 from megatron_muon.kernels.tuner import CACHE_ENV, default_candidates
 from megatron_muon.core.newton_schulz import resolve_coefficients
 
@@ -153,4 +153,36 @@ def test_bad_tuner_arguments_and_corrupt_cache(tmp_path):
 @pytest.mark.timeout(30)
 def test_default_candidates_on_cpu_skip_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert default_candidates("cpu") == ["torch_batched", "torch_loop"]
+    assert default_candidates("cpu") == ["torch_batched", "torch_loop", "torch_gram"]
+
+
+def _noisy(x, coeffs, eps, dtype):
+    """Within the bf16 tolerance of the reference (5e-2) but 3e-2 off: less accurate than
+    bf16 standard NS (~1.5e-2 from the exact result) by more than one bf16 unit roundoff."""
+    out = torch_batched(x, coeffs, eps, dtype)
+    noise = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    return out + 3e-2 * noise * out.norm() / noise.norm()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gram_is_a_validated_default_candidate(dtype):
+    """The default candidates include Gram NS; it passes both accuracy checks (within
+    tolerance of the reference, and no further from fp64 than the reference + slack) and
+    is timed like the others, so the tuner can choose it where it is faster."""
+    tuner = NSTuner(warmup=0, iters=1, coefficients="quintic")
+    tuner.choose(32, 128, 2, dtype, "cpu")
+    (row,) = tuner.table()
+    assert set(row["timings"]) == {"torch_batched", "torch_loop", "torch_gram"}, row["rejected"]
+    assert row["rejected"] == {}
+
+
+@pytest.mark.timeout(60)
+def test_rejects_a_candidate_less_accurate_than_the_reference():
+    tuner = NSTuner(candidates={"noisy": _noisy, "torch_gram": torch_gram, "torch_batched": torch_batched},
+                    warmup=0, iters=1)
+    tuner.choose(32, 64, 2, torch.bfloat16, "cpu")
+    (row,) = tuner.table()
+    assert set(row["rejected"]) == {"noisy"}
+    assert "less accurate than the reference" in row["rejected"]["noisy"]
+    assert set(row["timings"]) == {"torch_gram", "torch_batched"}

@@ -12,6 +12,13 @@ CPU defaults are shrunk (1 layer, 1 timed repeat) so the run takes well under tw
 minutes on two cores; the output says so.  Example:
 
     python tools/bench_ns.py --device cuda --dtype bf16 --peak-tflops 790
+
+``--methods`` compares standard and Gram Newton-Schulz (docs/design.md#gram-newton-schulz)
+per shape instead: time (median of interleaved runs, so both methods see the same load),
+model flops (``ns_flops``), speedup over standard and the relative Frobenius distance
+from the fp64 result, for the default restart period and any ``--gram-restarts``:
+
+    python tools/bench_ns.py --methods --threads 1 --coefficients quintic --shapes 512x2048,2048x512
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout too
 
 from megatron_muon.kernels import available_backends, get_backend  # noqa: E402
-from megatron_muon.core.newton_schulz import ns_flops, resolve_coefficients  # noqa: E402
+from megatron_muon.core.newton_schulz import (default_gram_restart, newton_schulz, ns_flops,  # noqa: E402
+                                         resolve_coefficients)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -104,12 +112,68 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--ffn", type=int, default=None, help="default: 4 * hidden")
     p.add_argument("--layers", type=int, default=None, help="default: 8 on cuda, 1 on cpu")
     p.add_argument("--backends", default=None,
-                   help="comma list of torch_batched,torch_loop,triton[:cfg] "
+                   help="comma list of torch_batched,torch_loop,torch_gram[:rR],triton[:cfg] "
                         "(default: what runs on the device; triton only on cuda)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="print %% of this peak (e.g. 790 for H200 bf16 dense)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--methods", action="store_true",
+                   help="compare standard vs Gram NS per shape (time, flops, error vs fp64)")
+    p.add_argument("--shapes", default="512x2048,2048x512,1024x1024,1024x4096",
+                   help="--methods: comma list of MxN")
+    p.add_argument("--batch", type=int, default=1, help="--methods: matrices per shape")
+    p.add_argument("--gram-restarts", default="",
+                   help="--methods: comma list of further Gram restart periods to show, besides "
+                        "the coefficients' default (0: never)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     return p.parse_args(argv)
+
+
+def compare_methods(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+                    dtype_name: str) -> int:
+    """Standard vs Gram NS per shape: one row per method and restart period."""
+    default = default_gram_restart(args.coefficients)
+    restarts = [default] + [r for r in (int(v) for v in args.gram_restarts.split(",") if v.strip())
+                            if r != default]
+    on_cpu = device.type == "cpu"
+    repeat = args.repeat if args.repeat is not None else (5 if on_cpu else 20)
+    warmup = args.warmup if args.warmup is not None else (1 if on_cpu else 3)
+    print(f"# standard vs Gram NS: device {device}, dtype {dtype_name}, steps {args.steps}, "
+          f"coefficients {args.coefficients}, batch {args.batch}, threads {torch.get_num_threads()}, "
+          f"median of {repeat} interleaved runs after {warmup} warmup")
+    print(f"{'shape':>11} {'method':<10} {'time ms':>9} {'GFLOP':>8} {'flops/std':>9} "
+          f"{'speedup':>8} {'rel err vs fp64':>16}")
+    gen = torch.Generator().manual_seed(args.seed)
+    for spec in args.shapes.split(","):
+        m, n = (int(v) for v in spec.lower().split("x"))
+        x = torch.randn(args.batch, m, n, generator=gen).to(device)
+        exact = newton_schulz(x.double(), args.steps, args.coefficients)
+        runs = {"standard": ("standard", 0)}
+        runs.update({f"gram r{r}" + ("*" if r == default else ""): ("gram", r) for r in restarts})
+        fns = {k: (lambda meth=meth, r=r: newton_schulz(x, args.steps, args.coefficients, dtype=dtype,
+                                                         method=meth, gram_restart=r))
+               for k, (meth, r) in runs.items()}
+        errs = {k: ((f().double() - exact).norm() / exact.norm()).item() for k, f in fns.items()}
+        for _ in range(max(warmup - 1, 0)):
+            for f in fns.values():
+                f()
+        samples: dict[str, list[float]] = defaultdict(list)
+        for _ in range(repeat):
+            for k, f in fns.items():  # interleaved: a load change hits every method alike
+                sync(device)
+                t0 = time.perf_counter()
+                f()
+                sync(device)
+                samples[k].append(time.perf_counter() - t0)
+        t_std = statistics.median(samples["standard"])
+        f_std = ns_flops(m, n, args.steps) * args.batch
+        for k, (meth, r) in runs.items():
+            t = statistics.median(samples[k])
+            fl = ns_flops(m, n, args.steps, meth, gram_restart=r) * args.batch
+            print(f"{spec:>11} {k:<10} {t * 1e3:>9.1f} {fl / 1e9:>8.2f} {fl / f_std:>9.2f} "
+                  f"{t_std / t:>7.2f}x {errs[k]:>16.2e}")
+    print("# gram rR: restart every R steps (0: never); * marks the default for these coefficients")
+    return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -121,6 +185,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     on_cpu = device.type == "cpu"
     dtype_name = args.dtype or ("fp32" if on_cpu else "bf16")
     dtype = DTYPES[dtype_name]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.methods:
+        return compare_methods(args, device, dtype, dtype_name)
     layers = args.layers if args.layers is not None else (1 if on_cpu else 8)
     repeat = args.repeat if args.repeat is not None else (1 if on_cpu else 10)
     warmup = args.warmup if args.warmup is not None else (1 if on_cpu else 3)

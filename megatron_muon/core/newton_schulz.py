@@ -3,12 +3,23 @@
 The iteration, the coefficient sets and the scale modes are described in
 docs/design.md#muon.  ``newton_schulz`` is the reference implementation (plain torch,
 batched via ``bmm``); faster backends in ``megatron_muon.kernels`` are tested against it.
+
+Two methods compute the same polynomial (docs/design.md#gram-newton-schulz):
+``'standard'`` iterates on the rectangular s x N matrix X (s = the short side) and
+``'gram'`` iterates on the small s x s Gram matrix G = X X^T, accumulating the left
+factor Q of X_k = Q X_0 and touching the rectangular X only at the start, at restarts
+and at the end: at aspect ratio N / s = 4 and 5 steps it needs 56-78% of the flops
+(no restart / a restart every 2 steps; 67% with quintic's default, every 3).  Equal in exact arithmetic; in floating
+point Gram's error grows with the square of X's condition number between restarts,
+which is why it restarts every ``gram_restart`` steps (default 2; 3 for quintic and
+cubic) and why, for a 16-bit
+compute dtype, it keeps the s x s matrices (G, Q) in fp32.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -16,10 +27,41 @@ __all__ = [
     "COEFFICIENT_SETS",
     "SCALE_MODES",
     "resolve_coefficients",
+    "NS_METHODS",
+    "DEFAULT_GRAM_RESTART",
+    "GRAM_RESTART_BY_SET",
+    "default_gram_restart",
+    "check_ns_method",
     "newton_schulz",
     "muon_scale",
     "ns_flops",
 ]
+
+#: ``method`` names of ``newton_schulz`` and ``ns_flops``.
+NS_METHODS = ("standard", "gram")
+
+#: Gram NS re-forms X = Q X_0 and G = X X^T before every ``gram_restart``-th step.
+#: 2 keeps fp32 Gram within 1.6e-6 of standard fp32's own distance from the exact result
+#: on Gaussian, power-law (sigma_i = 1/i) and condition-1e3 inputs for every coefficient
+#: set; 3 does for ``quintic`` and ``cubic`` (<= 4.1e-6) at fewer flops (4 instead of 6
+#: rectangular products for 5 steps), but not for ``polar_express`` (3.3e-5: its first
+#: a = 8.2 grows the Gram error by a^2 = 67 in one step) nor reliably for ``simple``
+#: (7.7e-6).  Measurements: docs/design.md#gram-newton-schulz.
+DEFAULT_GRAM_RESTART = 2
+GRAM_RESTART_BY_SET: dict[str, int] = {"quintic": 3, "cubic": 3}
+
+
+def default_gram_restart(coefficients: Coefficients = "simple") -> int:
+    """Restart period Gram NS uses for ``coefficients`` when none is given: by set name,
+    or for explicit triples, those of the named set they equal (the kernel backends see
+    resolved triples only), else ``DEFAULT_GRAM_RESTART``."""
+    if isinstance(coefficients, str):
+        return GRAM_RESTART_BY_SET.get(coefficients, DEFAULT_GRAM_RESTART)
+    triples = [tuple(float(v) for v in t) for t in coefficients]
+    for name, restart in GRAM_RESTART_BY_SET.items():
+        if triples and triples == resolve_coefficients(name, len(triples)):
+            return restart
+    return DEFAULT_GRAM_RESTART
 
 # Per-step (a, b, c); the last triple repeats when more steps are asked for.
 COEFFICIENT_SETS: dict[str, tuple[tuple[float, float, float], ...]] = {
@@ -49,6 +91,7 @@ SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
 Coefficients = Union[str, Sequence[Sequence[float]]]
 
 
+
 def resolve_coefficients(coefficients: Coefficients, steps: int) -> list[tuple[float, float, float]]:
     """Return exactly ``steps`` (a, b, c) triples for a named set or an explicit list."""
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
@@ -67,40 +110,119 @@ def resolve_coefficients(coefficients: Coefficients, steps: int) -> list[tuple[f
     return [tuple(table[min(i, len(table) - 1)]) for i in range(steps)]
 
 
+def check_ns_method(method: str, gram_restart: Optional[int] = None) -> None:
+    """ValueError naming the valid choices for a bad ``method`` / ``gram_restart``."""
+    if method not in NS_METHODS:
+        raise ValueError(f"unknown Newton-Schulz method {method!r}; choose one of {list(NS_METHODS)}")
+    if gram_restart is not None and (not isinstance(gram_restart, int) or isinstance(gram_restart, bool)
+                                     or gram_restart < 0):
+        raise ValueError(
+            f"gram_restart must be an integer >= 0 (0: never restart) or None (the "
+            f"coefficients' default), got {gram_restart!r}"
+        )
+
+
 def newton_schulz(
     x: torch.Tensor,
     steps: int = 5,
     coefficients: Coefficients = "simple",
     eps: float = 1e-7,
     dtype: torch.dtype | None = None,
+    method: str = "standard",
+    gram_restart: Optional[int] = None,
 ) -> torch.Tensor:
-    """Approximate the orthogonal polar factor U V^T of ``x`` ([m, n] or [b, m, n]).
+    """Approximate the orthogonal polar factor U V^T of ``x`` ([m, n] or [..., m, n]).
 
     X = x / (||x||_F + eps); tall inputs are transposed so that X X^T is the small Gram
     matrix; per step A = X X^T (computed once), B = b A + c A A, X = a X + B X.
     ``dtype`` is the compute dtype (default: x's dtype, fp32 for anything below fp32 is
     *not* forced: pass ``torch.bfloat16`` explicitly to run in bf16).  The result has
-    ``x``'s dtype and shape.
+    ``x``'s dtype and shape; leading dimensions are a batch of independent matrices.
+
+    ``method='gram'`` computes the same polynomial on the s x s Gram matrix (see
+    ``_gram_iterations``), restarting every ``gram_restart`` steps (0: never; None:
+    ``default_gram_restart(coefficients)``, 3 for quintic and cubic, else 2).
     """
-    if x.ndim not in (2, 3):
-        raise ValueError(f"newton_schulz expects [m, n] or [b, m, n], got shape {tuple(x.shape)}")
+    check_ns_method(method, gram_restart)
+    if x.ndim < 2:
+        raise ValueError(f"newton_schulz expects [m, n] or [..., m, n], got shape {tuple(x.shape)}")
     coeffs = resolve_coefficients(coefficients, steps)
-    batched = x.ndim == 3
-    X = x if batched else x.unsqueeze(0)
+    if x.ndim == 2:
+        X = x.unsqueeze(0)
+    elif x.ndim == 3:
+        X = x
+    else:  # [..., m, n] -> one batch dimension
+        X = x.reshape(math.prod(x.shape[:-2]), x.shape[-2], x.shape[-1])
     X = X.to(dtype or x.dtype)
     tall = X.shape[-2] > X.shape[-1]
     if tall:
         X = X.transpose(-2, -1)
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
     X = X / (norm + eps)
-    for a, b, c in coeffs:
-        A = torch.bmm(X, X.transpose(-2, -1))
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c) if c != 0.0 else A * b
-        X = torch.baddbmm(X, B, X, beta=a)
+    if method == "gram":
+        restart = default_gram_restart(coefficients) if gram_restart is None else gram_restart
+        X = _gram_iterations(X, coeffs, restart)
+    else:
+        for a, b, c in coeffs:
+            A = torch.bmm(X, X.transpose(-2, -1))
+            B = torch.baddbmm(A, A, A, beta=b, alpha=c) if c != 0.0 else A * b
+            X = torch.baddbmm(X, B, X, beta=a)
     if tall:
         X = X.transpose(-2, -1)
     X = X.to(x.dtype)
-    return X if batched else X.squeeze(0)
+    if x.ndim == 2:
+        return X.squeeze(0)
+    return X if x.ndim == 3 else X.reshape(x.shape)
+
+
+def _gram_iterations(X: torch.Tensor, coeffs: Sequence[tuple[float, float, float]],
+                     restart: int) -> torch.Tensor:
+    """The NS steps of ``coeffs`` on a wide, normalised batch X [b, s, N] via its Gram matrix.
+
+    With G = X X^T and P = a I + Z, Z = b G + c G^2, one NS step is X <- P X.  P is a
+    polynomial in G, so it is symmetric and commutes with G, and the next Gram matrix is
+    P X X^T P = P G P: the iteration never needs the rectangular X.  Q accumulates the
+    steps' P (Q <- P Q) and X_final = Q X_0.  Per step: Z (one s x s product), Q (one,
+    none on a segment's first step, where Q = P), G <- P (G P) (two, skipped before a
+    restart and after the last step).  A restart materialises X = Q X_0 and G = X X^T.
+
+    Rounding: products are formed as a M + Z M (``baddbmm``), so the scalar part a of
+    P is applied inside the product as the standard path does with a X + B X.  For a
+    16-bit compute dtype X stays 16-bit, but G = X X^T is accumulated and kept in fp32
+    (a tensor-core GEMM with fp32 output) and the s x s iteration runs in fp32; only Q
+    is rounded to 16 bits for Q X.  A bf16 G has absolute eigenvalue errors ~2^-8
+    lambda_max that the iteration grows by ~a^2 per step instead of recomputing them:
+    with G in bf16, Gram was up to 7.7 unit roundoffs further from the exact result
+    than bf16 standard NS, and diverged on power-law spectra without restarts; with
+    G in fp32 it is within 0.8 (docs/design.md#gram-newton-schulz).
+    """
+    dt = X.dtype
+    sq = torch.float32 if dt in (torch.bfloat16, torch.float16) else dt
+    k = len(coeffs)
+
+    def gram(Y: torch.Tensor) -> torch.Tensor:
+        Y = Y.to(sq)  # exact: a 16-bit X's products accumulate and are kept in fp32
+        return torch.bmm(Y, Y.transpose(-2, -1))
+
+    def apply(Q: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(Q.to(dt), Y)
+
+    G = gram(X)
+    eye = torch.eye(X.shape[-2], dtype=sq, device=X.device)
+    Q: Optional[torch.Tensor] = None
+    for i, (a, b, c) in enumerate(coeffs):
+        if Q is not None and restart and i % restart == 0:
+            X = apply(Q, X)
+            G = gram(X)
+            Q = None
+        Z = torch.baddbmm(G, G, G, beta=b, alpha=c) if c != 0.0 else G * b
+        Q = torch.add(Z, eye, alpha=a) if Q is None else torch.baddbmm(Q, Z, Q, beta=a)
+        last_of_segment = i == k - 1 or (restart and (i + 1) % restart == 0)
+        if not last_of_segment:
+            R = torch.baddbmm(G, G, Z, beta=a)  # G P = a G + G Z
+            G = torch.baddbmm(R, Z, R, beta=a)  # P (G P) = a R + Z R
+    assert Q is not None  # steps >= 1
+    return apply(Q, X)
 
 
 def muon_scale(m: int, n: int, mode: str = "spectral", extra_scale_factor: float = 1.0) -> float:
@@ -116,8 +238,27 @@ def muon_scale(m: int, n: int, mode: str = "spectral", extra_scale_factor: float
     return s * extra_scale_factor
 
 
-def ns_flops(m: int, n: int, steps: int) -> float:
-    """Flops of ``steps`` NS iterations on one m x n matrix: k * (2 m n s + s^3) * 2 (FMA=2)."""
+def ns_flops(m: int, n: int, steps: int, method: str = "standard",
+             gram_restart: Optional[int] = None, coefficients: Coefficients = "simple") -> float:
+    """Flops of ``steps`` NS iterations on one m x n matrix (FMA = 2 flops).
+
+    s = min(m, n), N = max(m, n); a rectangular product (X X^T or Q X) costs 2 s^2 N,
+    an s x s product 2 s^3.  ``standard``: per step X X^T, A A and B X, so
+    k (4 s^2 N + 2 s^3).  ``gram`` with its steps split into J segments by restarts:
+    2 J rectangular products (G_0 or a restart's X X^T, and Q X) and 4 k - 3 J s x s
+    products (Z every step; G <- P G P and Q <- P Q on all but a segment's last /
+    first step), i.e. 4 J s^2 N + 2 (4 k - 3 J) s^3.  At N = 4 s, k = 5: standard
+    90 s^3, gram 50 s^3 without restarts, 60 s^3 restarting every 3 steps (J = 2, the
+    quintic default), 70 s^3 every 2 (J = 3).  ``gram_restart=None`` is
+    ``default_gram_restart(coefficients)``, as in ``newton_schulz``.  Both methods count
+    B = b A + c A A as a product (for c = 0 it is elementwise in both).
+    """
+    check_ns_method(method, gram_restart)
     s, big = min(m, n), max(m, n)
+    if method == "gram":
+        if gram_restart is None:
+            gram_restart = default_gram_restart(coefficients)
+        segments = -(-steps // gram_restart) if gram_restart else 1
+        return 4.0 * segments * s * s * big + 2.0 * (4 * steps - 3 * segments) * s**3
     # X X^T: 2 s^2 big ; A A: 2 s^3 ; B X: 2 s^2 big  -> per step 4 s^2 big + 2 s^3
     return steps * (4.0 * s * s * big + 2.0 * s**3)

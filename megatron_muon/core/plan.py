@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from megatron_muon.core.newton_schulz import ns_flops
+from megatron_muon.core.newton_schulz import Coefficients, ns_flops
 
 __all__ = ["UnitTask", "OwnerPlan", "plan_owners", "flops_cost"]
 
@@ -62,11 +62,15 @@ class OwnerPlan:
         return "\n".join(lines)
 
 
-def flops_cost(steps: int) -> Callable[[tuple[int, int], int], float]:
-    """Cost of a unit (and of a batch of same-shape units) by the NS flop formula."""
+def flops_cost(steps: int, method: str = "standard",
+               coefficients: Coefficients = "simple") -> Callable[[tuple[int, int], int], float]:
+    """Cost of a unit (and of a batch of same-shape units) by the NS flop formula of
+    ``method`` ('standard' or 'gram', ``newton_schulz.ns_flops``; Gram's restart period,
+    and so its flops, depend on the coefficient set)."""
+    ns_flops(1, 1, steps, method, coefficients=coefficients)  # ValueError for a bad method, now
 
     def cost(shape: tuple[int, int], batch: int = 1) -> float:
-        return ns_flops(shape[0], shape[1], steps) * batch
+        return ns_flops(shape[0], shape[1], steps, method, coefficients=coefficients) * batch
 
     return cost
 

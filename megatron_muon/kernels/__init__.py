@@ -1,4 +1,4 @@
-"""Fast batched Newton-Schulz: backends (torch batched / looped / Triton) and an autotuner.
+"""Fast batched Newton-Schulz: backends (torch batched / looped / Gram / Triton) and an autotuner.
 
 ``import megatron_muon.kernels`` never imports triton: the Triton kernels are built on
 first use of a triton backend (``triton.jit`` reads ``TRITON_INTERPRET`` at that moment).
@@ -10,7 +10,9 @@ from megatron_muon.kernels.backends import (
     available_backends,
     batched_newton_schulz,
     get_backend,
+    gram_backend,
     torch_batched,
+    torch_gram,
     torch_loop,
 )
 from megatron_muon.kernels.tuner import NSTuner
@@ -22,6 +24,8 @@ __all__ = [
     "get_backend",
     "torch_batched",
     "torch_loop",
+    "torch_gram",
+    "gram_backend",
     "TritonConfig",
     "BACKEND_NAMES",
 ]

@@ -6,6 +6,11 @@ Every backend is ``fn(x [b, m, n], coeffs [(a, b, c)] * steps, eps, dtype) -> [b
 - ``torch_batched``: the reference maths over the whole batch (``bmm``/``baddbmm``,
   X X^T once per step, tall inputs transposed) - one launch per op for all matrices.
 - ``torch_loop``: one matrix at a time; the baseline a per-parameter optimizer pays.
+- ``torch_gram`` / ``torch_gram:rR``: Gram Newton-Schulz over the whole batch
+  (``newton_schulz(method='gram')``, docs/design.md#gram-newton-schulz): the same
+  polynomial iterated on the s x s Gram matrix, restarting every R steps (default:
+  ``default_gram_restart`` of the coefficients; ``r0``: never).  Fewer flops for
+  N / s > ~1.5.
 - ``triton`` / ``triton:BLOCKxBLOCK_K:wW:sS``: the kernels of ``triton_ns`` (symmetric
   Gram product on upper-triangle tiles only, fused polynomial and fused update).
 
@@ -22,7 +27,8 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import torch
 
-from megatron_muon.core.newton_schulz import Coefficients, newton_schulz, resolve_coefficients
+from megatron_muon.core.newton_schulz import (Coefficients, check_ns_method, newton_schulz,
+                                             resolve_coefficients)
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron_muon.kernels.tuner import NSTuner
@@ -33,6 +39,8 @@ __all__ = [
     "BACKEND_NAMES",
     "torch_batched",
     "torch_loop",
+    "torch_gram",
+    "gram_backend",
     "get_backend",
     "available_backends",
     "triton_usable",
@@ -43,7 +51,7 @@ Backend = Callable[[torch.Tensor, Sequence[tuple[float, float, float]], float, O
                    torch.Tensor]
 
 #: Plain names; ``triton:...`` names with an explicit tile config are accepted too.
-BACKEND_NAMES = ("torch_batched", "torch_loop", "triton")
+BACKEND_NAMES = ("torch_batched", "torch_loop", "torch_gram", "triton")
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,39 @@ def torch_loop(x: torch.Tensor, coeffs: Sequence[tuple[float, float, float]], ep
     return torch.stack(outs)
 
 
+def gram_backend(restart: Optional[int] = None, looped: bool = False) -> Backend:
+    """Gram NS restarting every ``restart`` steps (None: the coefficients' default), over
+    the whole batch (or, ``looped``, one matrix at a time)."""
+    check_ns_method("gram", restart)
+
+    def run(x: torch.Tensor, coeffs: Sequence[tuple[float, float, float]], eps: float,
+            dtype: Optional[torch.dtype]) -> torch.Tensor:
+        def ns(t: torch.Tensor) -> torch.Tensor:
+            return newton_schulz(t, steps=len(coeffs), coefficients=list(coeffs), eps=eps, dtype=dtype,
+                                 method="gram", gram_restart=restart)
+
+        if not looped:
+            return ns(x)
+        outs = [ns(x[i]) for i in range(x.shape[0])]
+        return torch.stack(outs) if outs else torch.empty_like(x)
+
+    run.__name__ = ("torch_gram" if restart is None else f"torch_gram:r{restart}") \
+        + (" (looped)" if looped else "")
+    return run
+
+
+#: Gram NS with the coefficients' default restart period, as a plain backend function.
+torch_gram = gram_backend()
+
+
+def _parse_gram(spec: str) -> int:
+    """Restart period of a ``torch_gram:rR`` name."""
+    if spec.startswith("r") and spec[1:].isdigit():
+        return int(spec[1:])
+    raise ValueError(f"bad torch_gram config {spec!r}; expected e.g. 'torch_gram:r2' "
+                     "(restart every R steps, r0: never)")
+
+
 def _interpret_env() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")  # as triton parses it
 
@@ -148,6 +189,10 @@ def get_backend(name: str) -> Backend:
         return torch_batched
     if name == "torch_loop":
         return torch_loop
+    if name == "torch_gram":
+        return torch_gram
+    if name.startswith("torch_gram:"):
+        return gram_backend(_parse_gram(name[len("torch_gram:"):]))
     if name == "triton":
         return _triton_backend(None)
     if name.startswith("triton:"):
@@ -156,13 +201,13 @@ def get_backend(name: str) -> Backend:
         return _triton_backend(spec)
     raise ValueError(
         f"unknown NS backend {name!r}; choose one of {list(BACKEND_NAMES)}, "
-        "'triton:BLOCKxBLOCK_K:wWARPS:sSTAGES' or 'auto'"
+        "'torch_gram:rRESTART', 'triton:BLOCKxBLOCK_K:wWARPS:sSTAGES' or 'auto'"
     )
 
 
 def available_backends(device: Union[torch.device, str, None] = None) -> list[str]:
     """Backends that can run on ``device`` now (default: CUDA if present, else CPU)."""
-    names = ["torch_batched", "torch_loop"]
+    names = ["torch_batched", "torch_loop", "torch_gram"]
     if triton_usable(device):
         names.append("triton")
     return names
@@ -190,16 +235,36 @@ def batched_newton_schulz(
     dtype: Optional[torch.dtype] = None,
     backend: Union[str, Backend] = "auto",
     tuner: Optional["NSTuner"] = None,
+    method: str = "standard",
+    gram_restart: Optional[int] = None,
 ) -> torch.Tensor:
     """NS_k of one matrix [m, n] or of a batch [b, m, n] of same-shape matrices.
 
     ``backend='auto'`` asks ``tuner`` for the fastest validated backend for this
-    (shape, batch, dtype, device) and falls back to ``torch_batched`` without a tuner;
-    a name picks a backend explicitly (ValueError for unknown names).  ``dtype`` is
-    the compute dtype (default x's).  Result: x's shape and dtype.
+    (shape, batch, dtype, device) - the standard or the Gram method, torch or Triton -
+    and falls back to ``torch_batched`` without a tuner; a name picks a backend
+    explicitly (ValueError for unknown names).  ``dtype`` is the compute dtype
+    (default x's).  Result: x's shape and dtype.
+
+    ``method='gram'`` asks for Gram NS (restarting every ``gram_restart`` steps; None:
+    ``newton_schulz.default_gram_restart(coefficients)``)
+    whatever the tuner would pick: ``auto``, ``torch_batched`` and ``torch_gram`` run
+    it batched, ``torch_loop`` per matrix; there is no Triton Gram kernel (ValueError).
     """
     _check_input(x)
     coeffs = resolve_coefficients(coefficients, steps)  # ValueError on bad steps / names
+    check_ns_method(method, gram_restart)
+    if method == "gram":
+        if isinstance(backend, str) and (backend == "torch_gram" or backend.startswith("torch_gram:")):
+            pass  # already Gram (a 'torch_gram:rR' name fixes its own restart period)
+        elif isinstance(backend, str) and backend in ("auto", "torch_batched", "torch_loop"):
+            backend = gram_backend(gram_restart, looped=backend == "torch_loop")
+        else:
+            raise ValueError(
+                f"method='gram' runs on the torch backends only ('auto', 'torch_batched', "
+                f"'torch_loop', 'torch_gram'), got backend {backend!r}; there is no Triton "
+                "Gram kernel: pass method='standard' to use it"
+            )
     X = x if x.ndim == 3 else x.unsqueeze(0)
     if X.shape[0] == 0:
         return x.clone()

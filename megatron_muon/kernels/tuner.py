@@ -9,6 +9,13 @@ planner, which uses ``time()`` as its cost model) never re-tune a known key.
 Why validate against the reference and not just time: a fast kernel with a wrong tile
 config (or a miscompiled one) would otherwise win and silently change Muon's update.
 
+Candidates compute NS by different methods (standard, Gram, Triton), so a second check
+holds each to the reference's *accuracy*: its distance from the fp64 result may exceed
+the reference's own distance (``newton_schulz`` in the compute dtype) by at most one
+``_fp64_slack(dtype)``.  The first check alone would let a method that is, say, twice as
+far from the exact result as standard bf16 NS through, since it is within tolerance of
+the bf16 reference.
+
 Tolerance is a Frobenius-norm test, ``||out - ref||_F <= atol * sqrt(numel) + rtol *
 ||ref||_F``: element-wise ``allclose`` is brittle for bf16 NS, whose rounding differences
 are amplified a little by each step, while a wrong result (bad coefficients, a transposed
@@ -48,9 +55,10 @@ _TRITON_CUDA_CONFIGS = (
 
 
 def default_candidates(device: Union[torch.device, str]) -> list[str]:
-    """Backends tried when the caller names none.  Triton only on CUDA: under the CPU
+    """Backends tried when the caller names none: standard NS batched and looped, Gram NS
+    (``torch_gram``, default restarts), and Triton only on CUDA: under the CPU
     interpreter it is a correctness tool, orders of magnitude too slow to win."""
-    names = ["torch_batched", "torch_loop"]
+    names = ["torch_batched", "torch_loop", "torch_gram"]
     dev = torch.device(device)
     if dev.type == "cuda" and triton_usable(dev):
         names.extend(_TRITON_CUDA_CONFIGS)
@@ -80,6 +88,33 @@ def _default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
     if dtype == torch.float64:
         return 1e-8, 1e-12
     return 5e-2, 1e-4
+
+
+def _fp64_slack(dtype: torch.dtype) -> float:
+    """How much further from the fp64 result than the reference a candidate may be
+    (relative Frobenius distance).
+
+    16-bit and TF32: one unit roundoff (bf16 2^-8; fp16 and TF32 2^-11).  Standard NS is
+    itself several unit roundoffs from the exact result (bf16: 0.6-1.7e-2 measured, 1.4-4
+    u), and two methods round at different points, so their distances differ by a
+    fraction of u: one u is the first size that separates "as accurate" from "less
+    accurate" without rejecting a correct method by chance (bf16 Gram measured <= 0.5 u).
+    fp32 'highest': 1e-5, about one standard-fp32 distance from fp64 on inputs with
+    condition number 1e3 (measured <= 7.8e-6, 130 u; the polynomials' slope amplifies
+    each step's rounding).  fp64: 1e-12.
+    """
+    if dtype == torch.float64:
+        return 1e-12
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return 1e-5
+    if dtype == torch.bfloat16:
+        return 2.0**-8
+    return 2.0**-11
+
+
+def _rel_dist(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (torch.linalg.vector_norm(a.double() - b.double())
+            / torch.linalg.vector_norm(b.double()).clamp_min(1e-30)).item()
 
 
 def _sync(device: torch.device) -> None:
@@ -252,6 +287,8 @@ class NSTuner:
         dtype: torch.dtype = meta["_dtype"]
         x = self._test_input(meta)
         ref = newton_schulz(x, steps=self.steps, coefficients=self.coeffs, eps=self.eps, dtype=dtype)
+        exact = newton_schulz(x.double(), steps=self.steps, coefficients=self.coeffs, eps=self.eps)
+        budget = _rel_dist(ref, exact) + _fp64_slack(dtype)
         timings: dict[str, float] = {}
         rejected: dict[str, str] = {}
         for name in self._candidate_names(meta["_device"]):
@@ -264,6 +301,11 @@ class NSTuner:
                 ok, rel = self._within_tolerance(out, ref, dtype)
                 if not ok:
                     rejected[name] = f"differs from reference: relative Frobenius error {rel:.3e}"
+                    continue
+                dist = _rel_dist(out, exact)
+                if not dist <= budget:
+                    rejected[name] = (f"less accurate than the reference: {dist:.3e} from the fp64 "
+                                      f"result, allowed {budget:.3e}")
                     continue
                 timings[name] = _measure(fn, x, self.coeffs, self.eps, dtype, self.warmup, self.iters)
             except Exception as exc:  # a candidate that cannot run here is just not chosen
