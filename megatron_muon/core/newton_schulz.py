@@ -9,11 +9,11 @@ Two methods compute the same polynomial (docs/design.md#gram-newton-schulz):
 ``'gram'`` iterates on the small s x s Gram matrix G = X X^T, accumulating the left
 factor Q of X_k = Q X_0 and touching the rectangular X only at the start, at restarts
 and at the end: at aspect ratio N / s = 4 and 5 steps it needs 56-78% of the flops
-(no restart / a restart every 2 steps; 67% with quintic's default, every 3).  Equal in exact arithmetic; in floating
-point Gram's error grows with the square of X's condition number between restarts,
-which is why it restarts every ``gram_restart`` steps (default 2; 3 for quintic and
-cubic) and why, for a 16-bit
-compute dtype, it keeps the s x s matrices (G, Q) in fp32.
+(never restarting / restarting every 2 steps; 67% with quintic's default, every 3).
+Equal in exact arithmetic; in floating point Gram's error grows with the square of X's
+condition number between restarts, which is why it restarts every ``gram_restart``
+steps (default 2; 3 for quintic and cubic) and why, for a 16-bit compute dtype, it
+keeps the s x s matrices (G, Q) in fp32.
 """
 
 from __future__ import annotations
@@ -36,32 +36,6 @@ __all__ = [
     "muon_scale",
     "ns_flops",
 ]
-
-#: ``method`` names of ``newton_schulz`` and ``ns_flops``.
-NS_METHODS = ("standard", "gram")
-
-#: Gram NS re-forms X = Q X_0 and G = X X^T before every ``gram_restart``-th step.
-#: 2 keeps fp32 Gram within 1.6e-6 of standard fp32's own distance from the exact result
-#: on Gaussian, power-law (sigma_i = 1/i) and condition-1e3 inputs for every coefficient
-#: set; 3 does for ``quintic`` and ``cubic`` (<= 4.1e-6) at fewer flops (4 instead of 6
-#: rectangular products for 5 steps), but not for ``polar_express`` (3.3e-5: its first
-#: a = 8.2 grows the Gram error by a^2 = 67 in one step) nor reliably for ``simple``
-#: (7.7e-6).  Measurements: docs/design.md#gram-newton-schulz.
-DEFAULT_GRAM_RESTART = 2
-GRAM_RESTART_BY_SET: dict[str, int] = {"quintic": 3, "cubic": 3}
-
-
-def default_gram_restart(coefficients: Coefficients = "simple") -> int:
-    """Restart period Gram NS uses for ``coefficients`` when none is given: by set name,
-    or for explicit triples, those of the named set they equal (the kernel backends see
-    resolved triples only), else ``DEFAULT_GRAM_RESTART``."""
-    if isinstance(coefficients, str):
-        return GRAM_RESTART_BY_SET.get(coefficients, DEFAULT_GRAM_RESTART)
-    triples = [tuple(float(v) for v in t) for t in coefficients]
-    for name, restart in GRAM_RESTART_BY_SET.items():
-        if triples and triples == resolve_coefficients(name, len(triples)):
-            return restart
-    return DEFAULT_GRAM_RESTART
 
 # Per-step (a, b, c); the last triple repeats when more steps are asked for.
 COEFFICIENT_SETS: dict[str, tuple[tuple[float, float, float], ...]] = {
@@ -108,6 +82,33 @@ def resolve_coefficients(coefficients: Coefficients, steps: int) -> list[tuple[f
         if not table or any(len(t) != 3 for t in table):
             raise ValueError("explicit coefficients must be a non-empty list of (a, b, c) triples")
     return [tuple(table[min(i, len(table) - 1)]) for i in range(steps)]
+
+
+#: ``method`` names of ``newton_schulz`` and ``ns_flops``.
+NS_METHODS = ("standard", "gram")
+
+#: Gram NS re-forms X = Q X_0 and G = X X^T before every ``gram_restart``-th step.
+#: 2 keeps fp32 Gram within 1.6e-6 of standard fp32's own distance from the exact result
+#: on Gaussian, power-law (sigma_i = 1/i) and condition-1e3 inputs for every coefficient
+#: set; 3 does for ``quintic`` and ``cubic`` (<= 4.1e-6) at fewer flops (4 instead of 6
+#: rectangular products for 5 steps), but not for ``polar_express`` (3.3e-5: its first
+#: a = 8.2 grows the Gram error by a^2 = 67 in one step) nor reliably for ``simple``
+#: (7.7e-6).  Measurements: docs/design.md#gram-newton-schulz.
+DEFAULT_GRAM_RESTART = 2
+GRAM_RESTART_BY_SET: dict[str, int] = {"quintic": 3, "cubic": 3}
+
+
+def default_gram_restart(coefficients: Coefficients = "simple") -> int:
+    """Restart period Gram NS uses for ``coefficients`` when none is given: by set name,
+    or for explicit triples, those of the named set they equal (the kernel backends see
+    resolved triples only), else ``DEFAULT_GRAM_RESTART``."""
+    if isinstance(coefficients, str):
+        return GRAM_RESTART_BY_SET.get(coefficients, DEFAULT_GRAM_RESTART)
+    triples = [tuple(float(v) for v in t) for t in coefficients]
+    for name, restart in GRAM_RESTART_BY_SET.items():
+        if triples and triples == resolve_coefficients(name, len(triples)):
+            return restart
+    return DEFAULT_GRAM_RESTART
 
 
 def check_ns_method(method: str, gram_restart: Optional[int] = None) -> None:
