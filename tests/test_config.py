@@ -26,6 +26,9 @@ def cfg(**kw):
     (dict(optimizer="lamb"), "optimizer must be one of"),
     (dict(dmuon_plan_cost="guess"), "dmuon_plan_cost"),
     (dict(dmuon_ns_backend="cuda"), "dmuon_ns_backend 'cuda' is unknown"),
+    (dict(muon_ns_method="fast"), "muon_ns_method 'fast' is unknown; choose one of auto, "
+                                  "standard, gram"),
+    (dict(muon_ns_method="gram", dmuon_ns_backend="triton"), "no Triton Gram kernel"),
     (dict(dmuon_overlap="maybe"), "dmuon_overlap 'maybe' is unknown; choose one of auto, on, off"),
     (dict(dmuon_locality_slack=-0.5), "dmuon_locality_slack must be a finite number >= 0"),
     (dict(dmuon_adam_params="(unclosed"), "dmuon_adam_params '\\(unclosed' is not a valid"),

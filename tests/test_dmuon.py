@@ -117,6 +117,18 @@ def test_dmuon_equals_reference(layout):
     assert_matches(merged_params(train(layout)), reference())
 
 
+def test_gram_newton_schulz_equals_the_gram_reference():
+    """``muon_ns_method='gram'``: DMuon at TP2 x DP2 (batched Gram NS on the owners) equals
+    the single-process reference Muon with Gram NS, within the same derived tolerance
+    (both run the same Gram iteration; only the summation order of the gradients differs).
+    The Gram reference is not the standard one bit for bit: the option is not ignored."""
+    opt = dict(OPT, muon_ns_method="gram")
+    ref = reference(opt)
+    assert_matches(merged_params(train("tp2dp2", opt=opt)), ref)
+    std = reference()["params"]
+    assert any(not torch.equal(ref["params"][n], std[n]) for n in std)
+
+
 def test_interleaved_pipeline_equals_reference():
     """PP2 x VPP2 (Megatron's interleaved schedule), DMuon with the overlap on."""
     res = run_ranks("megatron_muon.testing.workers:train_megatron", 2,

@@ -78,14 +78,15 @@ def check_muon_hyperparameters(*, momentum: float, ns_steps: int, coefficient_ty
 
 def muon_update_direction(update: torch.Tensor, units: list[Unit], *, ns_steps: int,
                           coefficient_type, scale_mode: str, extra_scale_factor: float,
-                          eps: float = 1e-7, ns_dtype: Optional[torch.dtype] = None
-                          ) -> torch.Tensor:
-    """scale(unit) * NS(unit) for every unit of a momentum-updated matrix, unit by unit."""
+                          eps: float = 1e-7, ns_dtype: Optional[torch.dtype] = None,
+                          ns_method: str = "standard") -> torch.Tensor:
+    """scale(unit) * NS(unit) for every unit of a momentum-updated matrix, unit by unit
+    (``ns_method``: 'standard' or 'gram', see ``newton_schulz``)."""
     out = torch.empty_like(update, dtype=torch.float32)
     for unit in units:
         u = extract_unit(update, unit).float()
         o = newton_schulz(u, steps=ns_steps, coefficients=coefficient_type, eps=eps,
-                          dtype=ns_dtype or torch.float32).float()
+                          dtype=ns_dtype or torch.float32, method=ns_method).float()
         m, n = unit.shape
         insert_unit(out, unit, o * muon_scale(m, n, scale_mode, extra_scale_factor))
     return out
@@ -104,6 +105,7 @@ class Muon(torch.optim.Optimizer):
         units: optional ``{param: [Unit, ...]}`` (QKV split, experts, gate/up); default is
             the whole matrix.
         ns_dtype: compute dtype of NS (default fp32; ``torch.bfloat16`` as most Muon codes).
+        ns_method: 'standard' or 'gram' Newton-Schulz (``newton_schulz``'s ``method``).
     """
 
     def __init__(self, params: Iterable, lr: float = 0.02, momentum: float = 0.95,
@@ -111,7 +113,7 @@ class Muon(torch.optim.Optimizer):
                  coefficient_type="simple", scale_mode: str = "spectral",
                  extra_scale_factor: float = 1.0, eps: float = 1e-7,
                  units: Optional[Mapping[torch.Tensor, list[Unit]]] = None,
-                 ns_dtype: Optional[torch.dtype] = None):
+                 ns_dtype: Optional[torch.dtype] = None, ns_method: str = "standard"):
         if lr < 0.0:
             raise ValueError(f"learning rate must be >= 0, got {lr}")
         if weight_decay < 0.0:
@@ -120,7 +122,8 @@ class Muon(torch.optim.Optimizer):
                                    coefficient_type=coefficient_type, scale_mode=scale_mode)
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                         ns_steps=ns_steps, coefficient_type=coefficient_type,
-                        scale_mode=scale_mode, extra_scale_factor=extra_scale_factor, eps=eps)
+                        scale_mode=scale_mode, extra_scale_factor=extra_scale_factor, eps=eps,
+                        ns_method=ns_method)
         super().__init__(params, defaults)
         self._units = {}
         units = units or {}
@@ -151,7 +154,7 @@ class Muon(torch.optim.Optimizer):
                     update, self._units[p], ns_steps=group["ns_steps"],
                     coefficient_type=group["coefficient_type"], scale_mode=group["scale_mode"],
                     extra_scale_factor=group["extra_scale_factor"], eps=group["eps"],
-                    ns_dtype=self.ns_dtype)
+                    ns_dtype=self.ns_dtype, ns_method=group.get("ns_method", "standard"))
                 decoupled_update(p, direction.to(p.dtype), group["lr"],
                                  1.0 - group["lr"] * group["weight_decay"])
         return loss

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from contextlib import contextmanager
 from typing import Callable
@@ -25,31 +26,71 @@ def device() -> torch.device:
         else torch.device("cpu")
 
 
+def ns_method(cfg) -> str:
+    """``muon_ns_method`` resolved: 'auto' is the tuner's choice when there is a tuner
+    (``dmuon_plan_cost='tuner'``), else 'standard' (bitwise the reference Muon's NS)."""
+    method = getattr(cfg, "muon_ns_method", "auto")
+    if method == "auto" and getattr(cfg, "dmuon_plan_cost", "flops") != "tuner":
+        return "standard"
+    return method
+
+
 def ns_function(cfg) -> Callable:
-    """The batched NS implementation DMuon's owners call (kernels when available)."""
+    """The batched NS implementation DMuon's owners call (kernels when available).
+
+    ``muon_ns_method``: 'standard' / 'gram' fix the algorithm (the tuner, if any, then picks
+    among that method's backends); 'auto' with the tuner lets it choose between them.
+    ``muon_fp32_matmul_prec='high'`` runs fp32 NS with TF32 matmuls on CUDA.
+    """
     from megatron_muon.core.newton_schulz import newton_schulz
 
     backend = getattr(cfg, "dmuon_ns_backend", "auto")
+    method = ns_method(cfg)
+    tf32 = getattr(cfg, "muon_fp32_matmul_prec", "highest") == "high"
     try:
         from megatron_muon.kernels import batched_newton_schulz
     except ImportError:
         if backend == "triton":
             raise ValueError("dmuon_ns_backend='triton' needs megatron_muon.kernels and triton")
-        return newton_schulz
-    if backend == "torch":
-        return newton_schulz
+        batched_newton_schulz = None
     tuner = None
-    if backend == "auto" and getattr(cfg, "dmuon_plan_cost", "flops") == "tuner":
+    if batched_newton_schulz is not None and backend == "auto" and \
+            getattr(cfg, "dmuon_plan_cost", "flops") == "tuner":
         from megatron_muon.kernels import NSTuner
+        from megatron_muon.kernels.tuner import default_candidates
 
-        tuner = NSTuner(cache_path=cfg.dmuon_tuner_cache)
+        candidates = None
+        if method != "auto":  # keep the tuner to the chosen method's backends
+            gram = method == "gram"
+            candidates = [n for n in default_candidates(device())
+                          if n.startswith("torch_gram") == gram]
+        tuner = NSTuner(cache_path=cfg.dmuon_tuner_cache, candidates=candidates)
 
     def fn(x, steps, coefficients, eps, dtype):
-        return batched_newton_schulz(x, steps=steps, coefficients=coefficients, eps=eps,
-                                     dtype=dtype, backend=backend if backend != "torch" else "torch",
-                                     tuner=tuner)
+        with _tf32_matmuls(x.device) if tf32 else contextlib.nullcontext():
+            if batched_newton_schulz is None or (backend == "torch" and tuner is None):
+                return newton_schulz(x, steps=steps, coefficients=coefficients, eps=eps,
+                                     dtype=dtype, method="gram" if method == "gram" else
+                                     "standard")
+            return batched_newton_schulz(x, steps=steps, coefficients=coefficients, eps=eps,
+                                         dtype=dtype, backend=backend, tuner=tuner,
+                                         method="gram" if method == "gram" else "standard")
 
     return fn
+
+
+@contextmanager
+def _tf32_matmuls(device):
+    """fp32 matmuls on TF32 tensor cores inside the block (CUDA; nothing elsewhere)."""
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def get_param_groups(model_chunks, config, config_overrides=None):

@@ -38,6 +38,7 @@ MuonOptimizer = Literal["dmuon", "muon_naive"]
 CoefficientType = Literal[tuple(COEFFICIENT_SETS)]
 ScaleMode = Literal[SCALE_MODES]
 NSPrecision = Literal["highest", "high", "medium"]
+NSMethod = Literal["auto", "standard", "gram"]
 PlanCost = Literal["flops", "tuner"]
 NSBackend = Literal["auto", "torch", "triton"]
 Placement = Literal["dmuon", "matrix"]
@@ -100,6 +101,12 @@ class DMuonOptimizerConfig(OptimizerConfig):
     muon_fp32_matmul_prec: NSPrecision = setting(
         "medium", "Newton-Schulz precision: highest = fp32, high = fp32 with TF32 matmuls "
         "(GPU), medium = bf16.")
+    muon_ns_method: NSMethod = setting(
+        "auto", "Newton-Schulz algorithm: standard (iterate on X), gram (iterate on the small "
+        "Gram matrix X X^T, restarting every few steps: the same map in exact arithmetic, "
+        "fewer flops on rectangular units, docs/design.md#gram-newton-schulz), or auto (the "
+        "kernel tuner's timed, accuracy-checked choice with --dmuon-plan-cost tuner; else "
+        "standard).")
 
     # --- DMuon ---
     dmuon_split_fc1: bool = setting(
@@ -306,6 +313,11 @@ def check_dmuon_settings(get: Callable[[str], Any], *, cli: bool,
             value = _overlap_mode(value)
         if value not in allowed:
             fail(f"{N(f.name)} {value!r} is unknown; choose one of {', '.join(allowed)}")
+
+    if get("muon_ns_method") == "gram" and get("dmuon_ns_backend") == "triton":
+        fail(f"{s.both(('muon_ns_method', 'gram'), ('dmuon_ns_backend', 'triton'))}: there is "
+             f"no Triton Gram kernel; use {s.set('dmuon_ns_backend', 'auto')} or "
+             f"{s.set('muon_ns_method', 'standard')}")
 
     # --- DMuon ---
     slack = get("dmuon_locality_slack")

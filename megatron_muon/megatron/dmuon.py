@@ -452,4 +452,8 @@ def _unit_cost(cfg):
         dtype = torch.bfloat16 if cfg.muon_fp32_matmul_prec == "medium" else torch.float32
         dev = compat.device()
         return lambda shape: tuner.time(shape[0], shape[1], 1, dtype, dev)
-    return flops_cost(cfg.muon_num_ns_steps)
+    method = compat.ns_method(cfg)
+    coefficients = cfg.muon_coefficient_type if isinstance(cfg.muon_coefficient_type, str) \
+        else "simple"
+    return flops_cost(cfg.muon_num_ns_steps, method="standard" if method == "auto" else method,
+                      coefficients=coefficients)

@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from megatron_muon.megatron.compat import ns_method
+
 from megatron_muon.megatron.params import is_muon_matrix, muon_units, tp_partition_dim
 from megatron_muon.core.muon import Muon
 from megatron_muon.core.units import shard_units
@@ -64,7 +66,7 @@ def reference_train(cfg: dict, dp_size: int, steps: int = 3, opt: Optional[dict]
                          nesterov=o.muon_nesterov, weight_decay=o.weight_decay,
                          ns_steps=o.muon_num_ns_steps, coefficient_type=o.muon_coefficient_type,
                          scale_mode=o.muon_scale_mode, extra_scale_factor=o.muon_extra_scale_factor,
-                         units=units,
+                         units=units, ns_method=ns_method(o),
                          ns_dtype=torch.bfloat16 if o.muon_fp32_matmul_prec == "medium" else None))
     losses = []
     m = gcfg.num_microbatches * dp_size
