@@ -1,0 +1,83 @@
+"""The repository's own rules: the layout the README shows, imports that point one way,
+documentation in this repository's words (no pointers to files that are not in it)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "megatron_muon"
+README = REPO / "README.md"
+
+
+def _text_files():
+    for sub in ("megatron_muon", "tests", "tools", "examples", "docs", "patches", ".ci"):
+        for path in sorted((REPO / sub).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+                yield path
+    yield README
+
+
+def _imports(path: pathlib.Path) -> set:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_no_pointers_to_files_outside_the_repository():
+    # Design notes live in docs/design.md; nothing may cite notes that are not shipped.
+    pattern = re.compile(r"\bSPEC\b|SPEC\.md|ENVIRONMENT\.md")
+    me = pathlib.Path(__file__).resolve()
+    found = [f"{p.relative_to(REPO)}:{i}" for p in _text_files() if p.resolve() != me
+             for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+             if pattern.search(line)]
+    assert not found, found
+
+
+def test_readme_is_a_short_front_door_with_a_line_per_folder():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 250
+    tree = text[text.index("## Layout"):]
+    tree = tree[tree.index("```"):]
+    tree = tree[: tree.index("```", 3)]
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    shown = set(re.findall(r"^\s+(\w+)/", tree, re.M))
+    assert folders == shown, (sorted(folders), sorted(shown))
+    for top in ("patches", "examples", "tools", "tests", "docs"):
+        assert re.search(rf"^{top}/", tree, re.M), top
+    for py in PACKAGE.glob("*.py"):  # modules live in a concern's folder
+        assert py.name == "__init__.py", py
+
+
+def test_imports_point_one_way():
+    """core/ imports nothing else of the package, nor Megatron, nor torch.distributed;
+    kernels/ and distributed/ do not import Megatron or the adapter."""
+    for path in sorted((PACKAGE / "core").rglob("*.py")):
+        for name in _imports(path):
+            assert not (name == "megatron" or name.startswith(("megatron.", "torch.distributed"))), \
+                (path, name)
+            assert not name.startswith("megatron_muon.") or \
+                name.startswith("megatron_muon.core"), (path, name)
+    for folder in ("kernels", "distributed"):
+        for path in sorted((PACKAGE / folder).rglob("*.py")):
+            for name in _imports(path):
+                assert not (name == "megatron" or name.startswith("megatron.")), (path, name)
+                assert not name.startswith(("megatron_muon.megatron", "megatron_muon.peft",
+                                            "megatron_muon.islands",
+                                            "megatron_muon.testing")), (path, name)
+
+
+def test_library_code_does_not_import_the_test_harness():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "testing" in path.relative_to(PACKAGE).parts:
+            continue
+        bad = {n for n in _imports(path) if n.startswith("megatron_muon.testing")}
+        assert not bad, (path, bad)
+    for path in (REPO / "examples").glob("pretrain_gpt.py"):
+        assert not {n for n in _imports(path) if n.startswith("megatron_muon.testing")}, path
