@@ -100,25 +100,25 @@ class _CudaToCpu(TorchFunctionMode):
 
 
 class _NullStream:
-    """Stand-in for torch.cuda.Stream / current_stream on CPU: everything is synchronous."""
+    """Stand-in for torch.cuda.Stream / current_stream / Event on CPU: everything is
+    synchronous, so every wait, record and synchronize is a no-op."""
 
     def __init__(self, *args, **kwargs):
         pass
 
-    def wait_stream(self, *args, **kwargs):
+    def _nothing(self, *args, **kwargs):
         pass
 
-    def wait_event(self, *args, **kwargs):
-        pass
+    wait_stream = wait_event = record = wait = synchronize = _nothing
 
     def record_event(self, *args, **kwargs):
         return _NullEvent()
 
-    def synchronize(self):
-        pass
-
     def query(self):
         return True
+
+    def elapsed_time(self, other):
+        return 0.0
 
     def __enter__(self):
         return self
@@ -127,24 +127,7 @@ class _NullStream:
         return False
 
 
-class _NullEvent:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def record(self, *args, **kwargs):
-        pass
-
-    def wait(self, *args, **kwargs):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-    def elapsed_time(self, other):
-        return 0.0
+_NullEvent = _NullStream  # an event needs the same no-ops (record, wait, synchronize, query)
 
 
 def _patch_megatron_without_te() -> None:

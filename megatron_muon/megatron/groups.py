@@ -50,34 +50,14 @@ class DMuonGroups:
     pg_collection: Optional[Any] = field(default=None, repr=False, compare=False)
     optimizer: dict = field(default_factory=dict, repr=False, compare=False)
 
-    # -- sizes and ranks ----------------------------------------------------------------
-    @property
-    def tp_size(self) -> int:
-        return _size(self.tp)
-
-    @property
-    def tp_rank(self) -> int:
-        return _rank(self.tp)
-
-    @property
-    def dp_size(self) -> int:
-        return _size(self.dp)
-
-    @property
-    def dp_rank(self) -> int:
-        return _rank(self.dp)
-
-    @property
-    def pp_size(self) -> int:
-        return _size(self.pp)
-
-    @property
-    def cp_size(self) -> int:
-        return _size(self.cp)
-
-    @property
-    def expt_tp_size(self) -> int:
-        return _size(self.expt_tp)
+    # -- sizes and ranks (1 and 0 for a group that is not there) ---------------------------
+    tp_size = property(lambda self: _size(self.tp), doc="tensor-parallel size")
+    tp_rank = property(lambda self: _rank(self.tp), doc="rank in the tensor-parallel group")
+    dp_size = property(lambda self: _size(self.dp), doc="data-parallel size (no CP)")
+    dp_rank = property(lambda self: _rank(self.dp), doc="rank in the data-parallel group")
+    pp_size = property(lambda self: _size(self.pp), doc="pipeline-parallel size")
+    cp_size = property(lambda self: _size(self.cp), doc="context-parallel size")
+    expt_tp_size = property(lambda self: _size(self.expt_tp), doc="expert tensor-parallel size")
 
     # -- construction -------------------------------------------------------------------
     @classmethod

@@ -331,10 +331,16 @@ class LoRAAdapter(torch.nn.Module):
 
 
 # ============================================================================== forwards
-def _column_lora_forward(self, input_, *args, **kwargs):
+def _base_forward(self, input_, args, kwargs):
+    """The layer's own forward, and its adapter when the adapter adds a term (else None)."""
     output, output_bias = type(self).forward(self, input_, *args, **kwargs)
     ad: LoRAAdapter = self.lora
-    if ad.merged or not ad.enabled:
+    return output, output_bias, (None if ad.merged or not ad.enabled else ad)
+
+
+def _column_lora_forward(self, input_, *args, **kwargs):
+    output, output_bias, ad = _base_forward(self, input_, args, kwargs)
+    if ad is None:
         return output, output_bias
     from megatron.core.tensor_parallel.mappings import (
         copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
@@ -357,9 +363,8 @@ def _column_lora_forward(self, input_, *args, **kwargs):
 
 
 def _row_lora_forward(self, input_, *args, **kwargs):
-    output, output_bias = type(self).forward(self, input_, *args, **kwargs)
-    ad: LoRAAdapter = self.lora
-    if ad.merged or not ad.enabled:
+    output, output_bias, ad = _base_forward(self, input_, args, kwargs)
+    if ad is None:
         return output, output_bias
     from megatron.core.tensor_parallel.mappings import (
         reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
