@@ -88,24 +88,29 @@ def test_dmuon_without_distributed_optimizer_buffers_is_a_clear_error():
 ZERO3 = dict(dmuon_zero3=True, dmuon_placement="matrix")
 
 
-def test_overlap_auto_is_on_except_under_zero3():
-    """'auto' resolves to on, and to off with ZeRO-3 (no data-parallel collective to hide);
-    the field keeps what was asked for, the optimizer reads ``overlap_enabled``."""
+def test_overlap_auto_is_adaptive_with_pp_else_off():
+    """'auto' resolves to the adaptive policy with pipeline parallelism and to off without it
+    (DP/TP only: nothing to hide behind) or with ZeRO-3 (no data-parallel collective to
+    hide); the field keeps what was asked for, the optimizer reads ``overlap_policy``."""
     from megatron_muon.megatron.config import resolve_overlap
 
-    assert cfg().dmuon_overlap == "auto" and cfg().overlap_enabled
+    assert cfg().dmuon_overlap == "auto"
+    assert cfg().overlap_policy(2) == "adaptive" and cfg().overlap_policy(1) == "off"
     c = cfg(**ZERO3)
-    assert c.dmuon_overlap == "auto" and not c.overlap_enabled
-    assert not cfg(**ZERO3, dmuon_overlap="off").overlap_enabled
-    assert not cfg(dmuon_overlap="off").overlap_enabled and cfg(dmuon_overlap="on").overlap_enabled
+    assert c.dmuon_overlap == "auto" and c.overlap_policy(2) == "off"
+    assert cfg(**ZERO3, dmuon_overlap="off").overlap_policy(2) == "off"
+    assert cfg(dmuon_overlap="off").overlap_policy(2) == "off"
+    assert cfg(dmuon_overlap="on").overlap_policy(1) == "on"
     # the former bool field: True / False are stored as 'on' / 'off'
     assert cfg(dmuon_overlap=True).dmuon_overlap == "on"
     off = cfg(dmuon_overlap=False)
-    assert off.dmuon_overlap == "off" and not off.overlap_enabled
+    assert off.dmuon_overlap == "off" and off.overlap_policy(2) == "off"
     # the refinements are kept as given (they only act while the overlap is on)
     assert c.dmuon_overlap_bucket_gather and c.dmuon_overlap_param_update
-    assert [resolve_overlap(m, z) for m in ("auto", "on", "off") for z in (False, True)
-            if (m, z) != ("on", True)] == [True, False, True, False, False]
+    assert [resolve_overlap(m, z, pp) for m in ("auto", "on", "off", True, False)
+            for z in (False, True) for pp in (1, 2) if (m, z) not in (("on", True), (True, True))
+            ] == ["off", "adaptive", "off", "off", "on", "on", "off", "off", "off", "off",
+                  "on", "on", "off", "off", "off", "off"]
 
 
 @pytest.mark.parametrize("overlap", ["on", True])
@@ -115,7 +120,7 @@ def test_overlap_on_with_zero3_is_an_error_not_a_silent_change(overlap):
     c = cfg(**ZERO3)
     c.dmuon_overlap = "on"  # changed after construction: the resolution still refuses it
     with pytest.raises(ValueError, match="use 'auto' or 'off'"):
-        c.overlap_enabled
+        c.overlap_policy(2)
 
 
 def test_fp16_is_a_supported_precision():

@@ -65,7 +65,7 @@ def test_overlapped_dmuon_equals_plain_dmuon(layout, tmp_path):
             u for i, u in enumerate(on["updated"]) if i != INF_AT)
         ov = on["dmuon_stats"]["overlap"]
         # every step speculated; the clipped step redid the work, the Inf step dropped it
-        assert ov == dict(speculated=STEPS, used=STEPS - 2, redone=1, dropped=1), ov
+        assert ov == dict(speculated=STEPS, used=STEPS - 2, redone=1, dropped=1, skipped=0), ov
         assert off["dmuon_stats"]["overlap"] is None
     # Per step, except with the trace: reading the parameters after every step forces the
     # param all-gather there, and the trace must show the deferred updates in the forward.
@@ -86,6 +86,49 @@ def test_overlapped_dmuon_equals_plain_dmuon(layout, tmp_path):
         assert moved > 1e-3
     if trace_dir:
         check_trace(trace_dir, world=LAYOUTS[layout][1])
+
+
+# The adaptive policy ('auto' at PP2): steps 0 and 2 clip (redone: skip 1, then 2 steps),
+# step 3 would clip too (skipped: the plain step clips), step 5 is clean (used).
+AUTO_STEPS, AUTO_CLIP = 6, (0, 2, 3)
+
+
+def test_auto_overlap_backs_off_and_equals_plain_dmuon():
+    """dmuon_overlap='auto' at PP2 backs off after a redone speculation, and every step,
+    speculated or skipped, is bitwise that of dmuon_overlap='off'."""
+    pp, world, m, vpp, layers = LAYOUTS["pp2"]
+    results = run_ranks("megatron_muon.testing.workers:train_variants", world,
+                        dict(variants=[dict(opt={"dmuon_overlap": "off"}),
+                                       dict(opt={"dmuon_overlap": "auto"})],
+                             cfg={"num_microbatches": m, "fp16": True, "num_layers": layers},
+                             pp=pp, vpp=vpp, optimizer="dmuon", opt=OPT, steps=AUTO_STEPS,
+                             clip_at_steps=AUTO_CLIP, params_each_step=True,
+                             ddp=dict(overlap_grad_reduce=True, overlap_param_gather=True,
+                                      bucket_size=3000)),
+                        timeout=420)
+    for off, auto in results:
+        assert off["updated"] == auto["updated"] and all(auto["updated"])
+        assert off["dmuon_stats"]["overlap"] is None
+        ov = auto["dmuon_stats"]["overlap"]
+        assert ov == dict(speculated=3, used=1, redone=2, dropped=0, skipped=3), ov
+    for step in range(AUTO_STEPS):
+        a, b = (merged(results, i, step) for i in range(2))
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[n], b[n]) for n in a), step
+
+
+def test_auto_overlap_is_off_without_pp():
+    """DP only: 'auto' resolves to off (nothing hides the owner work), no speculation."""
+    results = run_ranks("megatron_muon.testing.workers:train_variants", 2,
+                        dict(variants=[dict(opt={"dmuon_overlap": "auto"})],
+                             cfg={"num_microbatches": 2, "fp16": True, "num_layers": 2},
+                             pp=1, optimizer="dmuon", opt=OPT, steps=1,
+                             ddp=dict(overlap_grad_reduce=True, overlap_param_gather=True,
+                                      bucket_size=3000)),
+                        timeout=300)
+    for (auto,) in results:
+        assert auto["updated"] == [True]
+        assert auto["dmuon_stats"]["overlap"] is None
 
 
 def check_trace(trace_dir, world):

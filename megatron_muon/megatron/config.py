@@ -13,10 +13,12 @@ Muon fields carry Megatron-Core 0.19's names (``muon_momentum``, ``muon_nesterov
 On 0.16.1, whose config calls Nesterov ``muon_use_nesterov``, both names are accepted.
 
 ``dmuon_overlap`` is ``'auto'``, ``'on'`` or ``'off'`` (``True`` / ``False`` are accepted
-and stored as ``'on'`` / ``'off'``).  ``'auto'`` means on, except with ZeRO-3
-(``dmuon_zero3``), where the Muon step has no data-parallel collective to hide and it
-resolves to off; ``'on'`` with ZeRO-3 is an error.  Code reads the resolved value,
-``config.overlap_enabled`` (or ``resolve_overlap``), never the field itself.
+and stored as ``'on'`` / ``'off'``).  ``'auto'`` speculates only where the owner work can
+hide: with pipeline parallelism (stages that finish early wait in the cool-down), and
+adaptively (it backs off after a redone speculation, ``overlap.DMuonOverlap``); without
+PP, or with ZeRO-3 (no data-parallel collective to hide), it resolves to off.  ``'on'``
+with ZeRO-3 is an error.  Code reads the resolved policy, ``config.overlap_policy(pp_size)``
+(or ``resolve_overlap``), never the field itself.
 """
 
 import dataclasses
@@ -151,8 +153,10 @@ class DMuonOptimizerConfig(OptimizerConfig):
         "auto", "Run DMuon's owner work (gather, Newton-Schulz, scatter launch) "
         "speculatively at the end of each stage's backward pass instead of in "
         "optimizer.step(); the step uses it only if its gradients are bit-identical (no "
-        "clipping), else redoes it. auto: on, except with --dmuon-zero3 (off: the Muon step "
-        "has no data-parallel collective to hide); on with --dmuon-zero3 is an error.",
+        "clipping), else redoes it. auto: only with pipeline parallelism (the work hides in "
+        "the cool-down) and adaptively (after a redone step it skips 1, 2, 4, ... up to 16 "
+        "steps, back to every step after a used one); off without PP and with --dmuon-zero3. "
+        "on: every step; on with --dmuon-zero3 is an error.",
         aliases={"--no-dmuon-overlap": "off"})
     dmuon_overlap_bucket_gather: bool = setting(
         True, "With the overlap on: start each bucket's gather to the owners right after "
@@ -174,10 +178,10 @@ class DMuonOptimizerConfig(OptimizerConfig):
         super().__post_init__()
         check_dmuon_settings(lambda name: getattr(self, name, None), cli=False)
 
-    @property
-    def overlap_enabled(self) -> bool:
-        """``dmuon_overlap`` resolved: what the optimizer does (see ``resolve_overlap``)."""
-        return resolve_overlap(self.dmuon_overlap, self.dmuon_zero3)
+    def overlap_policy(self, pp_size: int) -> str:
+        """``dmuon_overlap`` resolved for a stage of a ``pp_size``-stage pipeline: what the
+        optimizer does, ``'on'``, ``'adaptive'`` or ``'off'`` (see ``resolve_overlap``)."""
+        return resolve_overlap(self.dmuon_overlap, self.dmuon_zero3, pp_size)
 
 
 # --------------------------------------------------------------------------- the flag table
@@ -211,9 +215,13 @@ def choices_of(f) -> Optional[tuple]:
     return get_args(tp) if get_origin(tp) is Literal else None
 
 
-def resolve_overlap(overlap: Any, zero3: bool) -> bool:
-    """Whether the DMuon overlap runs: ``'auto'`` is on except with ZeRO-3; bools accepted.
+def resolve_overlap(overlap: Any, zero3: bool, pp_size: int) -> str:
+    """The DMuon overlap policy: ``'on'`` (speculate every step), ``'adaptive'`` or ``'off'``.
 
+    ``'auto'`` is ``'adaptive'`` with pipeline parallelism (``pp_size > 1``: the owner work
+    hides in the cool-down of stages that finish early; speculation backs off after a redone
+    step) and ``'off'`` without it (DP/TP only: nothing to hide behind, the exact step runs
+    without speculation) or with ZeRO-3; bools are accepted (True/False = on/off).
     ``'on'`` with ZeRO-3 is rejected (``check_dmuon_settings`` already does at construction;
     this catches a field changed afterwards).
     """
@@ -224,7 +232,9 @@ def resolve_overlap(overlap: Any, zero3: bool) -> bool:
     if mode == "on" and zero3:
         raise ValueError("dmuon_overlap='on' does not work with dmuon_zero3=True (ZeRO-3's Muon "
                          "step has no data-parallel collective to hide): use 'auto' or 'off'")
-    return mode == "on" or (mode == "auto" and not zero3)
+    if mode == "auto":
+        return "adaptive" if pp_size > 1 and not zero3 else "off"
+    return mode
 
 
 def _overlap_mode(value: Any) -> Any:

@@ -237,7 +237,8 @@ class DMuonDistributedOptimizer(DMuonStateMixin, _SubsetMixin, DistributedOptimi
         engine, self.plan = build_engine(matrices, group, muon_config, replicate=replicate,
                                          local_numel=sum(p.numel() for p in offsets))
         overlap = None
-        if muon_config.overlap_enabled:  # dmuon_overlap resolved ('auto': off under ZeRO-3)
+        policy = muon_config.overlap_policy(self.groups.pp_size)  # 'auto': PP > 1, adaptive
+        if policy != "off":
             ddp = self.ddp_config
             param_update = muon_config.dmuon_overlap_param_update and not (
                 getattr(ddp, "fp8_param_gather", False) or getattr(ddp, "use_megatron_fsdp", False)
@@ -247,7 +248,7 @@ class DMuonDistributedOptimizer(DMuonStateMixin, _SubsetMixin, DistributedOptimi
                 shards=MappingProxyType({p: (mains[p], held[p][0], held[p][1]) for p in held}),
                 grad_scaler=self.grad_scaler, publish=self.publish_param)
             overlap = dict(view=view, bucket_gather=muon_config.dmuon_overlap_bucket_gather,
-                           param_update=param_update)
+                           param_update=param_update, adaptive=policy == "adaptive")
         self.optimizer = ShardedMuonStep(
             param_groups, engine, momentum=muon_config.muon_momentum,
             nesterov=muon_config.muon_nesterov, check_finite=muon_config.dmuon_check_finite,

@@ -21,6 +21,17 @@ known only once every pipeline stage has finished.  DMuon does not wait for them
   simply drops the speculation.
 
 Exactness does not rest on any assumption about Megatron: only the bitwise check decides.
+
+Speculation costs (the momentum copy, the comparison, NS twice when the step redoes it) and
+pays only where the owner work hides, so the policy (``dmuon_overlap``, resolved by
+``config.resolve_overlap``) is: ``'on'`` speculates every step; ``'adaptive'`` (what
+``'auto'`` gives with pipeline parallelism, where stages that finish early wait in the
+cool-down) backs off: after a step that redid (or dropped) the speculation it skips the
+next k backward passes (k = 1, 2, 4, ... up to ``MAX_BACKOFF`` while they keep failing,
+back to 1 after a used speculation).  A skipped step runs exactly the non-overlapped step:
+no hook does anything, ``take`` returns None without the agreement all-reduce (every rank
+of the group takes the same decision: it depends only on agreed outcomes), so its result
+is bitwise that of ``dmuon_overlap='off'``.
 """
 
 from __future__ import annotations
@@ -47,10 +58,11 @@ class OverlapStats:
     used: int = 0  # optimizer steps that used the speculative result
     redone: int = 0  # optimizer steps whose gradients differed (clipping, ...): redo
     dropped: int = 0  # speculations never consumed (found-inf skipped the step, ...)
+    skipped: int = 0  # backward passes the adaptive policy did not speculate in (back-off)
 
     def as_dict(self) -> dict:
         return dict(speculated=self.speculated, used=self.used, redone=self.redone,
-                    dropped=self.dropped)
+                    dropped=self.dropped, skipped=self.skipped)
 
 
 @dataclass
@@ -103,9 +115,16 @@ class _Deferred:
 
 class DMuonOverlap:
     """Hooks one ``DMuonDistributedOptimizer`` into its DDP chunks' grad-sync calls
-    (through ``megatron_muon.megatron.hooks``; ``remove()`` takes the hooks back)."""
+    (through ``megatron_muon.megatron.hooks``; ``remove()`` takes the hooks back).
 
-    def __init__(self, view, step, bucket_gather: bool = True, param_update: bool = True):
+    ``adaptive``: back off after a redone or dropped speculation (see the module docstring);
+    False speculates in every backward pass (``dmuon_overlap='on'``).
+    """
+
+    MAX_BACKOFF = 16  # at most this many backward passes skipped in a row
+
+    def __init__(self, view, step, bucket_gather: bool = True, param_update: bool = True,
+                 adaptive: bool = False):
         self.view = view  # dmuon.DMuonView: what is read of the DMuon optimizer
         self.param_update = param_update
         self.deferred: Optional[_Deferred] = None
@@ -118,6 +137,11 @@ class DMuonOverlap:
         self.started: set = set()
         self.next = 0
         self.finished_chunks: set = set()
+        self.adaptive = adaptive
+        self.backoff = 1  # passes to skip after the next miss
+        self.skip_left = 0  # passes still to skip
+        self.active: Optional[bool] = None  # this backward pass speculates; None: undecided
+        self.skipped_last = False  # the last backward pass was skipped (take: nothing to agree)
         self._install()
 
     # -- geometry -------------------------------------------------------------------
@@ -165,7 +189,34 @@ class DMuonOverlap:
             r.remove()
         self.registrations = []
 
+    def _speculating(self) -> bool:
+        """Decide, at the first hook of a backward pass, whether this pass speculates."""
+        if self.active is None:
+            if self.spec is not None:  # never consumed (found-inf skipped the step, ...)
+                self.spec.drain(self.engine)
+                self.spec = None
+                self.stats.dropped += 1
+                self._outcome(False)
+            self.active = not (self.adaptive and self.skip_left > 0)
+            self.skipped_last = not self.active
+            if not self.active:
+                self.skip_left -= 1
+                self.stats.skipped += 1
+        return self.active
+
+    def _outcome(self, used: bool) -> None:
+        """The adaptive back-off: a used speculation resets it, a miss skips and doubles."""
+        if not self.adaptive:
+            return
+        if used:
+            self.backoff = 1
+        else:
+            self.skip_left = self.backoff
+            self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
+
     def _on_start(self, i: int) -> None:
+        if not self._speculating():
+            return
         self.started.add(i)
         if not self.bucket_gather:
             return
@@ -179,11 +230,13 @@ class DMuonOverlap:
         self.finished_chunks.add(id(chunk))
         if len(self.finished_chunks) < n_chunks:
             return
-        while self.next < len(self.groups):
-            self._process(self.next)
-            self.next += 1
-        self._finish_backward()
+        if self._speculating():
+            while self.next < len(self.groups):
+                self._process(self.next)
+                self.next += 1
+            self._finish_backward()
         self.started, self.next, self.finished_chunks = set(), 0, set()
+        self.active = None
 
     # -- speculative work -------------------------------------------------------------
     def _begin(self) -> _Speculation:
@@ -249,10 +302,14 @@ class DMuonOverlap:
         ``self.deferred`` is then set and the caller must not apply the update itself.
         """
         spec, self.spec = self.spec, None
+        if spec is None and self.skipped_last:
+            self.skipped_last = False  # skipped by the policy on every rank: the plain step
+            return None
         ok = spec is not None and spec.complete and torch.equal(flat, spec.flat)
         agree = torch.tensor([1 if ok else 0], dtype=torch.int32, device=flat.device)
         if self.engine.group is not None and self.engine.world > 1:
             dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=self.engine.group)
+        self._outcome(int(agree.item()) == 1)  # agreed: the same on every rank
         if spec is None:
             return None
         if int(agree.item()) == 1:
