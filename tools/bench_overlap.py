@@ -5,9 +5,12 @@ One command, one run:
     python tools/bench_overlap.py                      # PP2, DP2 and PP2xDP2
     python tools/bench_overlap.py --layouts pp2 --steps 8 --trace-dir /tmp/overlap_trace
 
-For every layout it launches the ranks once and trains the same GPT with AdamW, DMuon with
-the overlap off (``dmuon_overlap=False``) and DMuon with it on (Megatron's
-``overlap_grad_reduce`` is on for all three).  Each rank records a timeline
+For every layout it launches the ranks once per variant and trains the same GPT with AdamW,
+DMuon with the overlap off (``dmuon_overlap='off'``), with the default policy (``'auto'``:
+adaptive with PP, off without) and with it forced on (``'on'``: speculate every step);
+Megatron's ``overlap_grad_reduce`` is on for all.  ``--clip-grad`` sets Megatron's
+``clip_grad`` (0: no clipping; a small value clips in most steps, so the speculation is
+redone and ``auto`` backs off).  Each rank records a timeline
 (``megatron_muon.distributed.trace``); per step it reports
 
 * exposed optimizer time of a stage: from the end of the stage's last backward
@@ -40,13 +43,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAYOUTS = {"pp2": (2, 2), "dp2": (1, 2), "pp2dp2": (2, 4)}  # pp, world
 VARIANTS = {
     "adamw": ("adam", {}),
-    "dmuon": ("dmuon", {"dmuon_overlap": False}),
-    "dmuon+overlap": ("dmuon", {"dmuon_overlap": True}),
+    "dmuon": ("dmuon", {"dmuon_overlap": "off"}),
+    "dmuon+auto": ("dmuon", {"dmuon_overlap": "auto"}),
+    "dmuon+overlap": ("dmuon", {"dmuon_overlap": "on"}),
 }
 
 
 def worker(cfg: dict, pp: int, variants: list, steps: int, warmup: int, bucket_size: int,
-           trace_dir: str) -> dict:
+           trace_dir: str, clip_grad: float = 0.0) -> dict:
     import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallelConfig
 
@@ -65,7 +69,7 @@ def worker(cfg: dict, pp: int, variants: list, steps: int, warmup: int, bucket_s
             use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=True,
             bucket_size=bucket_size))
         ocfg = make_optimizer_config(opt_name, lr=1e-3, muon_fp32_matmul_prec="highest",
-                                     dmuon_log_plan=False, **extra)
+                                     dmuon_log_plan=False, clip_grad=clip_grad, **extra)
         optim = get_megatron_optimizer(ocfg, model)
         trace.stop()
         tl = enable_tracing(model, optim, label=f"{name} rank {dist.get_rank()}")
@@ -139,6 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--trace-dir", default="overlap_trace")
+    p.add_argument("--clip-grad", type=float, default=0.0)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
 
@@ -150,7 +155,7 @@ def main(argv=None) -> int:
                seq_length=a.seq_length, micro_batch_size=a.micro_batch_size, num_microbatches=a.num_microbatches)
     print(f"# overlap benchmark: {a.num_layers} layers, hidden {a.hidden_size}, ffn "
           f"{a.ffn_hidden_size}, seq {a.seq_length}, {a.num_microbatches} microbatches per DP "
-          f"rank, bucket {a.bucket_size}; median of {a.steps} steps after {a.warmup} warm-up; "
+          f"rank, bucket {a.bucket_size}, clip_grad {a.clip_grad}; median of {a.steps} steps after {a.warmup} warm-up; "
           f"os.cpu_count()={os.cpu_count()}")
     print(f"# command: python tools/bench_overlap.py {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"{'layout':8s} {'optimizer':14s} {'step ms':>9s} {'vs adamw':>9s} "
@@ -165,7 +170,8 @@ def main(argv=None) -> int:
         # ran measurably slower (leftover models, groups and hooks)
         per = [run_ranks("tools.bench_overlap:worker", world,
                          dict(cfg=cfg, pp=pp, variants=[v], steps=a.steps, warmup=a.warmup,
-                              bucket_size=a.bucket_size, trace_dir=tdir),
+                              bucket_size=a.bucket_size, trace_dir=tdir,
+                              clip_grad=a.clip_grad),
                          timeout=3000, env={"PYTHONPATH": os.getcwd()}) for v in variants]
         res = [{k: v for r in ranks for k, v in r.items()} for ranks in zip(*per)]
         table = summarize(res, variants, pp)
