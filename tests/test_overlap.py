@@ -4,6 +4,8 @@ Each layout trains the same fp16 GPT three times in one launch: DMuon with the o
 with it on, and with it on under MatrixFSDP placement (Megatron's overlap_grad_reduce, small buckets so that gathers start while the
 backward pass runs).  Step 1 forces clipping (tiny clip_grad: the speculation must be
 redone), step 3 injects an Inf (found-inf: the step is skipped, the speculation dropped).
+Those runs force the overlap on; the default policy ('auto': adaptive with PP, off without)
+has its own tests at the end.
 """
 
 import json
