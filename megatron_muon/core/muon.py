@@ -22,10 +22,17 @@ __all__ = ["Muon", "muon_update_direction", "check_muon_hyperparameters", "momen
 
 
 def momentum_update(buf: torch.Tensor, grad: torch.Tensor, momentum: float,
-                    nesterov: bool) -> torch.Tensor:
-    """M <- mu M + G in place; returns U = G + mu M (Nesterov) or M.  Shared by every Muon."""
+                    nesterov: bool, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """M <- mu M + G in place; returns U = G + mu M (Nesterov) or M.  Shared by every Muon.
+
+    ``out``: write U there (same values, no temporary) and return it.
+    """
     buf.mul_(momentum).add_(grad)
-    return grad.add(buf, alpha=momentum) if nesterov else buf
+    if out is None:
+        return grad.add(buf, alpha=momentum) if nesterov else buf
+    if nesterov:
+        return torch.add(grad, buf, alpha=momentum, out=out)
+    return out.copy_(buf)
 
 
 def momentum_step(state: dict, grad: torch.Tensor, momentum: float,

@@ -264,6 +264,7 @@ class OwnerCentricNS:
         handle = (t, recv, work)
         if async_op:
             return handle
+        del views, send  # sent: free the staging copy before unpacking what arrived
         self.finish(handle, dst)
 
     @staticmethod
@@ -284,15 +285,23 @@ class OwnerCentricNS:
         """Pieces of this bucket's units -> their owners' unit buffers."""
         return self._exchange(self.gather_tables[bucket], local, owned, "gather", async_op)
 
-    def orthogonalize(self, owned: torch.Tensor) -> torch.Tensor:
-        """Batched NS (times the Muon scale) on this rank's units, one batch per shape."""
-        out = torch.empty_like(owned)
+    def orthogonalize(self, owned: torch.Tensor, out: Optional[torch.Tensor] = None
+                      ) -> torch.Tensor:
+        """Batched NS (times the Muon scale) on this rank's units, one batch per shape.
+
+        ``out``: where the results go (``owned`` itself is allowed: each batch reads only its
+        own units before overwriting them); default a new buffer.  Each batch's NS workspace
+        is released before the next batch runs.
+        """
+        if out is None:
+            out = torch.empty_like(owned)
         for off, count, m, n in self.batches:
             x = owned[off: off + count * m * n].view(count, m, n)
             o = self.ns_fn(x, steps=self.ns_steps, coefficients=self.coefficients, eps=self.eps,
                            dtype=self.ns_dtype)
             scale = muon_scale(m, n, self.scale_mode, self.extra_scale_factor)
             out[off: off + count * m * n].view(count, m, n).copy_(o).mul_(scale)
+            del x, o
         return out
 
     def scatter(self, result: torch.Tensor, bucket: Hashable, local_out: torch.Tensor,
@@ -306,8 +315,14 @@ class OwnerCentricNS:
         for a, b, h, w, sa, sb in self.local_copy:
             _view(out, a, h, w, sa).copy_(_view(result, b, h, w, sb))
 
-    def run(self, local: torch.Tensor) -> torch.Tensor:
-        """``local``: this rank's flat momentum-updated pieces -> its flat scaled NS pieces."""
+    def run(self, local: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``local``: this rank's flat momentum-updated pieces -> its flat scaled NS pieces.
+
+        ``out``: where the pieces go, default a new buffer.  ``out=local`` is allowed (the
+        caller no longer needs its input): every gather has finished reading ``local``
+        before it is zeroed and written.  NS runs in place on the owned units, so a step
+        holds ``local``, the owned units and one bucket's exchange buffers at a time.
+        """
         if local.numel() != self.local_numel:
             raise ValueError(f"flat buffer has {local.numel()} elements, expected {self.local_numel}")
         owned = torch.zeros(self.owned_numel, dtype=torch.float32, device=local.device)
@@ -315,8 +330,11 @@ class OwnerCentricNS:
             for b in self.gather_tables:
                 self.gather(local, b, owned)
         with span("dmuon.ns"):
-            result = self.orthogonalize(owned)
-        out = torch.zeros_like(local)
+            result = self.orthogonalize(owned, out=owned)
+        if out is None:
+            out = torch.zeros_like(local)
+        else:
+            out.zero_()  # as a new buffer: elements no unit covers stay zero
         with span("dmuon.scatter"):
             if self.replicate:
                 self.keep_local(result, out)

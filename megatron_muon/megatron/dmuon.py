@@ -174,14 +174,16 @@ class ShardedMuonStep(torch.optim.Optimizer):
         if self.overlap is not None:
             self.overlap.flush_all()  # a deferred update that no param all-gather took yet
         self.init_state()
+        # One shard-sized transient: U is written straight into its slice of ``flat``, and
+        # the engine writes the NS pieces back over it (docs/design.md, DMuon's memory).
         flat = torch.zeros(self.numel, dtype=torch.float32, device=self.engine.device)
         mu = self.momentum
         for group in self.param_groups:
             for p in group["params"]:
                 st = self.state[p]
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
-                u = momentum_update(st["momentum_buffer"], g, mu, self.nesterov)
-                flat[self.offsets[p]: self.offsets[p] + p.numel()].copy_(u.view(-1))
+                momentum_update(st["momentum_buffer"], g, mu, self.nesterov,
+                                out=flat[self.offsets[p]: self.offsets[p] + p.numel()].view_as(p))
         if self.check_finite and not bool(torch.isfinite(flat).all()):
             raise FloatingPointError(
                 "DMuon: non-finite (NaN/Inf) Muon gradient or momentum; with fp16 use a loss "
@@ -193,7 +195,7 @@ class ShardedMuonStep(torch.optim.Optimizer):
             if self.overlap.deferred is not None:
                 return  # each bucket's update lands before its param all-gather
         if out is None:
-            out = self.engine.run(flat)
+            out = self.engine.run(flat, out=flat)  # U is not needed once gathered
         for group in self.param_groups:
             for p in group["params"]:
                 o = out[self.offsets[p]: self.offsets[p] + p.numel()].view_as(p)

@@ -1,0 +1,93 @@
+"""Peak memory per rank by optimizer phase: where a variant's steady-state peak is reached.
+
+    python tools/memory_phases.py dmuon --nproc 2 --num-layers 6
+
+Runs ``tools/bench_memory.py``'s worker (same model, same variants) with the optimizer's
+methods wrapped: at every entry and exit of ``train_step``, ``ChainedOptimizer.step``, the
+``DistributedOptimizer`` phases, torch's ``AdamW.step``, ``ShardedMuonStep.step`` and
+``OwnerCentricNS.gather / orthogonalize / scatter`` it records the resident set (VmRSS) and
+the peak since the previous event (VmHWM, then reset).  Printed per rank for the last
+training step.  CPU only (the peak reset is Linux's ``/proc/self/clear_refs``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools import bench_memory as bm  # noqa: E402
+
+_LOG: list = []
+
+
+def _event(name: str) -> None:
+    _LOG.append((name, bm._status_kib("VmRSS") // 1024, bm._status_kib("VmHWM") // 1024))
+    bm.reset_peak()
+
+
+def _wrap(owner, meth: str, label: str) -> None:
+    f = getattr(owner, meth)
+
+    @functools.wraps(f)
+    def g(*a, **k):
+        _event(f"> {label}")
+        r = f(*a, **k)
+        _event(f"< {label}")
+        return r
+
+    setattr(owner, meth, g)
+
+
+def worker(**kw) -> list:
+    import torch
+    from megatron.core.optimizer import ChainedOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    import megatron_muon.testing.gpt as gpt
+    from megatron_muon.distributed.owner_centric import OwnerCentricNS
+    from megatron_muon.megatron.dmuon import ShardedMuonStep
+
+    _wrap(gpt, "train_step", "train_step")
+    _wrap(ChainedOptimizer, "step", "ChainedOptimizer.step")
+    for m in ("prepare_grads", "get_grad_norm", "step_with_ready_grads",
+              "_copy_main_params_to_model_params"):
+        _wrap(DistributedOptimizer, m, f"DistributedOptimizer.{m}")
+    _wrap(torch.optim.AdamW, "step", "AdamW.step")
+    _wrap(ShardedMuonStep, "step", "ShardedMuonStep.step")
+    for m in ("gather", "orthogonalize", "scatter"):
+        _wrap(OwnerCentricNS, m, f"OwnerCentricNS.{m}")
+    bm.worker(**kw)
+    last = max(i for i, e in enumerate(_LOG) if e[0] == "> train_step")
+    return _LOG[last: next(i for i in range(last, len(_LOG)) if _LOG[i][0] == "< train_step") + 1]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("variant", choices=bm.VARIANTS)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--num-layers", type=int, default=6)
+    a = p.parse_args(argv)
+    from megatron_muon.testing.launch import run_ranks
+
+    cfg = dict(num_layers=a.num_layers, hidden_size=1024, ffn_hidden_size=4096,
+               num_attention_heads=16, num_query_groups=None, vocab_size=50304, seq_length=64,
+               micro_batch_size=1, num_microbatches=1)
+    with tempfile.TemporaryDirectory(prefix="memory_phases_") as tmp:
+        logs = run_ranks("tools.memory_phases:worker", a.nproc,
+                         dict(cfg=cfg, tp=1, variant=a.variant, steps=1, save_dir=tmp),
+                         timeout=1800, env={"PYTHONPATH": os.getcwd()})
+    for rank, log in enumerate(logs):
+        print(f"# rank {rank} ({a.variant}): event, VmRSS MiB, peak MiB since the previous event")
+        for name, rss, peak in log:
+            print(f"{name:56s} {rss:7d} {peak:7d}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
