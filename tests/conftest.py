@@ -25,7 +25,8 @@ def mcore_version():
 # checkpoints).  The rest repeats the same arithmetic on the other version; CI stays under
 # 30 minutes on 2 cores.  Entries are a file (all of it) or (file, test name or test id).
 SECONDARY_LANE = {
-    "test_megatron_lm.py", "test_patch.py", "test_config.py", "test_groups.py",
+    "test_megatron_lm.py", "test_patch.py", "test_config.py", "test_groups.py", "test_hooks.py",
+    "test_islands.py",
     ("test_dmuon.py", "test_dmuon_equals_reference[tp2dp2]"),
     ("test_dmuon.py", "test_dmuon_equals_reference[pp2dp2]"),
     ("test_dmuon.py", "test_resume_is_bitwise_identical"),
