@@ -129,8 +129,10 @@ def summarize(res: list, variants: list, pp: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layouts", default="pp2,dp2,pp2dp2")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--layouts", default="pp2,dp2,pp2dp2",
+                   help=f"comma-separated subset of {','.join(LAYOUTS)}")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of {','.join(VARIANTS)}")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--ffn-hidden-size", type=int, default=1024)
@@ -150,6 +152,11 @@ def main(argv=None) -> int:
     from megatron_muon.testing.launch import run_ranks
 
     variants = [v for v in a.variants.split(",") if v]
+    layouts = [x for x in a.layouts.split(",") if x]
+    for kind, names, known in (("variants", variants, VARIANTS), ("layouts", layouts, LAYOUTS)):
+        if set(names) - set(known):
+            p.error(f"unknown {kind} {sorted(set(names) - set(known))}; choose from "
+                    f"{','.join(known)}")
     cfg = dict(num_layers=a.num_layers, hidden_size=a.hidden_size, ffn_hidden_size=a.ffn_hidden_size,
                num_attention_heads=a.num_attention_heads, num_query_groups=None, vocab_size=256,
                seq_length=a.seq_length, micro_batch_size=a.micro_batch_size, num_microbatches=a.num_microbatches)
@@ -162,7 +169,7 @@ def main(argv=None) -> int:
           f"{'exposed ms per stage':>21s} {'vs dmuon':>13s} {'dmuon ms after flush':>21s}"
           f"  overlap stats")
     everything = {}
-    for layout in [x for x in a.layouts.split(",") if x]:
+    for layout in layouts:
         pp, world = LAYOUTS[layout]
         tdir = os.path.join(a.trace_dir, layout)
         t0 = time.time()
