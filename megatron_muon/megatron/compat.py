@@ -16,7 +16,7 @@ import megatron.core.optimizer as mcore_optimizer
 __all__ = ["MCORE_VERSION", "device", "ns_function", "get_param_groups",
            "build_distributed_optimizer", "check_supported", "prepare_torch_adam_for_load",
            "load_optimizer_state", "DDP_TAKES_PARAM_LAYOUT", "ddp_buffer_class",
-           "relayout_buffer", "initialize_island_model_parallel"]
+           "relayout_buffer", "initialize_island_model_parallel", "unshare_adam_steps"]
 
 MCORE_VERSION = Version(getattr(megatron.core, "__version__", "0.0.0"))
 
@@ -46,6 +46,7 @@ def ns_function(cfg) -> Callable:
 
     backend = getattr(cfg, "dmuon_ns_backend", "auto")
     method = ns_method(cfg)
+    fixed = "gram" if method == "gram" else "standard"  # 'auto': the tuner may pick Gram
     tf32 = getattr(cfg, "muon_fp32_matmul_prec", "highest") == "high"
     try:
         from megatron_muon.kernels import batched_newton_schulz
@@ -70,11 +71,9 @@ def ns_function(cfg) -> Callable:
         with _tf32_matmuls(x.device) if tf32 else contextlib.nullcontext():
             if batched_newton_schulz is None or (backend == "torch" and tuner is None):
                 return newton_schulz(x, steps=steps, coefficients=coefficients, eps=eps,
-                                     dtype=dtype, method="gram" if method == "gram" else
-                                     "standard")
+                                     dtype=dtype, method=fixed)
             return batched_newton_schulz(x, steps=steps, coefficients=coefficients, eps=eps,
-                                         dtype=dtype, backend=backend, tuner=tuner,
-                                         method="gram" if method == "gram" else "standard")
+                                         dtype=dtype, backend=backend, tuner=tuner, method=fixed)
 
     return fn
 
@@ -254,6 +253,15 @@ _PARAM_STATE_LOADERS = {"fully_reshardable": "load_parameter_state_from_fully_re
                         "fully_sharded_model_space": "load_parameter_state_from_fs_model_space"}
 
 
+def unshare_adam_steps(torch_optimizer) -> None:
+    """Give every parameter's Adam state a 'step' tensor of its own.  Megatron's torch-Adam
+    load path hands them all one shared tensor, which torch's AdamW would then advance once
+    per parameter in every step."""
+    for st in torch_optimizer.state.values():
+        if torch.is_tensor(st.get("step")):
+            st["step"] = st["step"].clone()
+
+
 @torch.no_grad()
 def load_optimizer_state(optimizer, state_dict) -> None:
     """``optimizer.load_state_dict(state_dict)``, also on Megatron's torch-Adam path.
@@ -262,8 +270,7 @@ def load_optimizer_state(optimizer, state_dict) -> None:
     every per-parameter Adam state and then copies the saved tensors into *every* state key,
     'step' included, which the saved parameter state does not have (KeyError: 'step').  For
     such optimizers the parameter state is loaded with the step tensors set aside, and
-    each parameter gets a step tensor of its own: Megatron hands them all one shared tensor,
-    which torch's AdamW would then advance once per parameter in every step.
+    each parameter gets a step tensor of its own (``unshare_adam_steps``).
     """
     subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
     if not any(_torch_adam_distributed(s) for s in subs):
@@ -292,7 +299,8 @@ def load_optimizer_state(optimizer, state_dict) -> None:
             getattr(sub, _PARAM_STATE_LOADERS[kind])(param_state)
         finally:
             for p, step in steps.items():
-                sub.optimizer.state[p]["step"] = step.clone()
+                sub.optimizer.state[p]["step"] = step
+            unshare_adam_steps(sub.optimizer)
     if len(subs) > 1:
         optimizer._synchronize_steps()
 

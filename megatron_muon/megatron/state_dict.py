@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_muon.megatron import compat
+
 __all__ = ["ModelSpaceStateMixin", "AdamStateMixin", "DMuonStateMixin"]
 
 
@@ -142,11 +144,7 @@ class AdamStateMixin(ModelSpaceStateMixin):
         if len(steps) == 1:
             self.completed_steps = int(steps.pop())
         super().load_state_dict(state_dict)
-        # Megatron (torch-Adam path) gives every parameter the *same* 'step' tensor, which
-        # torch's AdamW then increments once per parameter: un-share it.
-        for st in self.optimizer.state.values():
-            if torch.is_tensor(st.get("step")):
-                st["step"] = st["step"].clone()
+        compat.unshare_adam_steps(self.optimizer)  # Megatron's torch-Adam path shares one step
         if param_state is not None:
             self._load_model_space_state(param_state)
 
