@@ -17,6 +17,7 @@ import argparse
 import datetime
 import importlib
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -48,6 +49,7 @@ def run_ranks(target: str, world_size: int, kwargs: Optional[dict] = None, timeo
     import torch
 
     kwargs = kwargs or {}
+    own_dir = workdir is None  # a directory of our own is removed once the run succeeded
     tmp = Path(workdir or tempfile.mkdtemp(prefix="mmuon_ranks_"))
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "kwargs.pt").unlink(missing_ok=True)
@@ -66,7 +68,10 @@ def run_ranks(target: str, world_size: int, kwargs: Optional[dict] = None, timeo
     if code != 0:
         raise RankFailure(f"{target}: rank {failed} {describe_exit(procs[failed].returncode)}; "
                           f"log tail:\n{_tail(logs[failed])}")
-    return [torch.load(tmp / f"result{r}.pt", weights_only=False) for r in range(world_size)]
+    results = [torch.load(tmp / f"result{r}.pt", weights_only=False) for r in range(world_size)]
+    if own_dir:  # a failed run keeps its rank logs for the error above to point at
+        shutil.rmtree(tmp, ignore_errors=True)
+    return results
 
 
 def _worker(target: str, tmp: str, timeout: float) -> None:
