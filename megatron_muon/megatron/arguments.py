@@ -55,7 +55,8 @@ __all__ = [
 _MUON_OPTIMIZERS = MUON_OPTIMIZERS
 
 #: The destinations of the generated flags (the config field names), Muon then DMuon.
-MUON_ARGUMENTS = tuple(f.name for f in cli_fields() if f.name.startswith("muon_"))
+MUON_ARGUMENTS = tuple(f.name for f in cli_fields()
+                       if f.name.startswith(("muon_", "adaptive_muon_")))
 DMUON_ARGUMENTS = tuple(f.name for f in cli_fields() if f.name.startswith("dmuon_"))
 
 
