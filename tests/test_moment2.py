@@ -101,8 +101,9 @@ def test_bad_moment2_settings(args, match):
 
 # --------------------------------------------------------------------------- DMuon
 # One 4-rank launch runs every DMuon case (train_variants) and one process every reference
-# (reference_variants): DP4, TP2 x DP2, PP2 x DP2, matrix placement, ZeRO-3, and checkpoint
-# resume (bitwise on the same layout, resharded DP4 -> TP2 x DP2).
+# (reference_variants): DP4, PP2 x DP2, matrix placement (TP2 x DP2), ZeRO-3 (DP4), and
+# checkpoint resume (bitwise on the same layout; resharded DP4 -> TP2 x DP2, compared with
+# the reference like the other cases).
 M2_STEPS, M2_SAVE = 3, 2
 # AdaMuon's denominator sqrt(V) + eps: a larger eps than Megatron's 1e-8 keeps the comparison
 # well-conditioned (see ADAMUON_ATOL); NorMuon keeps Megatron's default.
@@ -123,9 +124,9 @@ def _dmuon_cases(tmp_normuon: str, tmp_adamuon: str) -> list:
         ("dp4", "normuon", dict(lay("dp4"), opt=nor,
                                 checkpoint=dict(save=tmp_normuon, save_at=M2_SAVE))),
         ("dp4-resume", "normuon", dict(lay("dp4"), opt=nor, checkpoint=dict(load=tmp_normuon))),
+        # resharded DP4 -> TP2 x DP2 (its last step runs at TP2 on the loaded state)
         ("tp2dp2-reshard", "normuon", dict(lay("tp2dp2"), opt=nor,
                                            checkpoint=dict(load=tmp_normuon))),
-        ("tp2dp2", "normuon", dict(lay("tp2dp2"), opt=nor)),
         ("pp2dp2", "adamuon", dict(lay("pp2dp2"), opt=ada)),
         ("matrix-tp2dp2", "adamuon", dict(lay("tp2dp2"), opt=dict(ada, dmuon_placement="matrix"))),
         ("zero3-dp4", "adamuon", dict(lay("dp4"), opt=z3, ddp=ZERO3_DDP,
@@ -189,6 +190,7 @@ def test_dmuon_moment2_equals_reference_and_resumes():
         # typical sum error) is the margin for that.
         worst = max(((got[n] - ref[method][n]).abs().max().item() / atol(method, n, got[n]), n)
                     for n in got)
+        print(f"moment2 {name} {method}: worst {worst[0]:.3f} x tolerance ({worst[1]})")
         assert worst[0] < 1, (name, method, worst)
     # resume: bitwise on the same layout (DMuon default placement and ZeRO-3)
     for name in ("dp4", "zero3-dp4"):
