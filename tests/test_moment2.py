@@ -138,9 +138,7 @@ def _dmuon_cases(tmp_normuon: str, tmp_adamuon: str) -> list:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-def test_dmuon_moment2_equals_reference_and_resumes():
-    import tempfile
-
+def test_dmuon_moment2_equals_reference_and_resumes(tmp_path):
     from megatron_muon.megatron.params import is_muon_matrix
     from megatron_muon.testing.launch import run_ranks
     from test_dmuon import EPS32, K, MUON_ATOL, OPT, fp32_atol, merged_params
@@ -161,7 +159,9 @@ def test_dmuon_moment2_equals_reference_and_resumes():
             return adamuon_atol
         return fp32_atol(n, p)
 
-    cases = _dmuon_cases(tempfile.mkdtemp(prefix="m2_nor_"), tempfile.mkdtemp(prefix="m2_ada_"))
+    (tmp_path / "normuon").mkdir()
+    (tmp_path / "adamuon").mkdir()
+    cases = _dmuon_cases(str(tmp_path / "normuon"), str(tmp_path / "adamuon"))
     per_rank = run_ranks("megatron_muon.testing.workers:train_variants", 4,
                          dict(variants=[v for _, _, v in cases], steps=M2_STEPS,
                               optimizer="dmuon"), timeout=840)
