@@ -174,8 +174,23 @@ class DMuonStateMixin(ModelSpaceStateMixin):
         if self.grad_scaler and "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         if param_state is not None:
+            moment2 = self.optimizer.moment2 is not None
+            if moment2:  # the shard buffers the load fills
+                self.optimizer.moment2_to_shards()
             self._load_model_space_state(param_state)
+            if moment2:
+                self.optimizer.moment2_from_shards()
 
     def sharded_state_dict(self, *args, **kwargs):
+        """DMuon's AdaMuon / NorMuon state lives with the unit owners; for the checkpoint it
+        is scattered to the holders in element shape (``ShardedMuonStep.moment2_to_shards``)
+        and saved as ``moment2_buffer`` next to the momentum, so it reshards like it."""
         self.finish_deferred()
-        return super().sharded_state_dict(*args, **kwargs)
+        moment2 = not self.is_stub_optimizer and self.optimizer.moment2 is not None
+        if moment2:
+            self.optimizer.moment2_to_shards()
+        try:
+            return super().sharded_state_dict(*args, **kwargs)
+        finally:
+            if moment2:
+                self.optimizer.drop_moment2_shards()

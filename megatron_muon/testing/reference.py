@@ -19,7 +19,7 @@ from megatron_muon.core.muon import Muon
 from megatron_muon.core.units import shard_units
 from megatron_muon.testing.gpt import TinyGPTConfig, build_gpt, full_named_params, init_parallel, train_step
 
-__all__ = ["reference_train"]
+__all__ = ["reference_train", "reference_variants"]
 
 
 def _blockwise(units, name: str, p, model, tp: int) -> list:
@@ -66,7 +66,8 @@ def reference_train(cfg: dict, dp_size: int, steps: int = 3, opt: Optional[dict]
                          nesterov=o.muon_nesterov, weight_decay=o.weight_decay,
                          ns_steps=o.muon_num_ns_steps, coefficient_type=o.muon_coefficient_type,
                          scale_mode=o.muon_scale_mode, extra_scale_factor=o.muon_extra_scale_factor,
-                         units=units, ns_method=ns_method(o),
+                         units=units, ns_method=ns_method(o), moment2=o.dmuon_moment2,
+                         beta2=o.adaptive_muon_beta2, moment2_eps=o.adaptive_muon_eps,
                          ns_dtype=torch.bfloat16 if o.muon_fp32_matmul_prec == "medium" else None))
     losses = []
     m = gcfg.num_microbatches * dp_size
@@ -81,3 +82,8 @@ def reference_train(cfg: dict, dp_size: int, steps: int = 3, opt: Optional[dict]
         for opt_ in opts:
             opt_.step()
     return dict(losses=losses, params=full_named_params(model))
+
+
+def reference_variants(variants: list) -> list:
+    """``reference_train(**v)`` for each v, in one process (saves a launch each)."""
+    return [reference_train(**v) for v in variants]
