@@ -211,7 +211,7 @@ def test_checkpoint_stores_each_ranks_own_range_once(saved_dp4):
     d, _, _ = saved_dp4
     path = sorted(glob.glob(os.path.join(d, "iter_*")))[-1]
     md = FileSystemReader(path).read_metadata().state_dict_metadata
-    keys = [k for k in md if k.startswith("optimizer.state.")]
+    keys = [k for k in md if "optimizer.state." in k]  # chained_<i>.optimizer.state...
     assert any(".momentum_buffer." in k for k in keys) and any(".exp_avg." in k for k in keys)
     split = 0
     for k in keys:
