@@ -72,11 +72,16 @@ def main(argv=None) -> int:
     p.add_argument("variant", choices=bm.VARIANTS)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--num-layers", type=int, default=6)
+    p.add_argument("--hidden-size", type=int, default=1024)
+    p.add_argument("--ffn-hidden-size", type=int, default=4096)
+    p.add_argument("--num-attention-heads", type=int, default=16)
+    p.add_argument("--vocab-size", type=int, default=50304)
     a = p.parse_args(argv)
     from megatron_muon.testing.launch import run_ranks
 
-    cfg = dict(num_layers=a.num_layers, hidden_size=1024, ffn_hidden_size=4096,
-               num_attention_heads=16, num_query_groups=None, vocab_size=50304, seq_length=64,
+    cfg = dict(num_layers=a.num_layers, hidden_size=a.hidden_size,
+               ffn_hidden_size=a.ffn_hidden_size, num_attention_heads=a.num_attention_heads,
+               num_query_groups=None, vocab_size=a.vocab_size, seq_length=64,
                micro_batch_size=1, num_microbatches=1)
     with tempfile.TemporaryDirectory(prefix="memory_phases_") as tmp:
         logs = run_ranks("tools.memory_phases:worker", a.nproc,
