@@ -7,7 +7,9 @@ methods wrapped: at every entry and exit of ``train_step``, ``ChainedOptimizer.s
 ``DistributedOptimizer`` phases, torch's ``AdamW.step``, ``ShardedMuonStep.step`` and
 ``OwnerCentricNS.gather / orthogonalize / scatter`` it records the resident set (VmRSS) and
 the peak since the previous event (VmHWM, then reset).  Printed per rank for the last
-training step.  CPU only (the peak reset is Linux's ``/proc/self/clear_refs``).
+training step.  CPU only (the peak reset is Linux's ``/proc/self/clear_refs``).  ``--trim``
+calls glibc's ``malloc_trim(0)`` after each inner optimizer step, which tells memory the C
+heap keeps apart from live tensors (docs/memory.md).
 """
 
 from __future__ import annotations
