@@ -198,6 +198,30 @@ def test_resume_is_bitwise_identical(saved_dp4):
         assert torch.equal(full[n], resumed[n]), n
 
 
+def test_checkpoint_stores_each_ranks_own_range_once(saved_dp4):
+    """The optimizer state is written as each DP rank's own blocks, never densified: every
+    element of every state tensor is stored exactly once, and a parameter split over DP
+    ranks is stored as several chunks (the old format stored whole TP-local tensors)."""
+    import glob
+    import os
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    d, _, _ = saved_dp4
+    path = sorted(glob.glob(os.path.join(d, "iter_*")))[-1]
+    md = FileSystemReader(path).read_metadata().state_dict_metadata
+    keys = [k for k in md if "optimizer.state." in k]  # chained_<i>.optimizer.state...
+    assert any(".momentum_buffer." in k for k in keys) and any(".exp_avg." in k for k in keys)
+    split = 0
+    for k in keys:
+        cover = torch.zeros(tuple(md[k].size), dtype=torch.int32)
+        for c in md[k].chunks:
+            cover[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))] += 1
+        assert bool((cover == 1).all()), k
+        split += len(md[k].chunks) > 1
+    assert split > 0
+
+
 @pytest.mark.parametrize("layout", ["tp2dp2"])
 def test_checkpoint_reshards_to_another_dp_and_tp(saved_dp4, layout):
     d, full, _ = saved_dp4

@@ -7,7 +7,9 @@ methods wrapped: at every entry and exit of ``train_step``, ``ChainedOptimizer.s
 ``DistributedOptimizer`` phases, torch's ``AdamW.step``, ``ShardedMuonStep.step`` and
 ``OwnerCentricNS.gather / orthogonalize / scatter`` it records the resident set (VmRSS) and
 the peak since the previous event (VmHWM, then reset).  Printed per rank for the last
-training step.  CPU only (the peak reset is Linux's ``/proc/self/clear_refs``).
+training step.  CPU only (the peak reset is Linux's ``/proc/self/clear_refs``).  ``--trim``
+calls glibc's ``malloc_trim(0)`` after each inner optimizer step, which tells memory the C
+heap keeps apart from live tensors (docs/memory.md).
 """
 
 from __future__ import annotations
@@ -43,7 +45,23 @@ def _wrap(owner, meth: str, label: str) -> None:
     setattr(owner, meth, g)
 
 
-def worker(**kw) -> list:
+def _trim_after(owner, meth: str) -> None:
+    """After ``owner.meth`` returns, hand the heap's free memory back to the OS (glibc's
+    ``malloc_trim``): separates tensors still alive from memory the allocator keeps."""
+    import ctypes
+
+    libc, f = ctypes.CDLL("libc.so.6"), getattr(owner, meth)
+
+    @functools.wraps(f)
+    def g(*a, **k):
+        r = f(*a, **k)
+        libc.malloc_trim(0)
+        return r
+
+    setattr(owner, meth, g)
+
+
+def worker(trim: bool = False, **kw) -> list:
     import torch
     from megatron.core.optimizer import ChainedOptimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -57,6 +75,9 @@ def worker(**kw) -> list:
     for m in ("prepare_grads", "get_grad_norm", "step_with_ready_grads",
               "_copy_main_params_to_model_params"):
         _wrap(DistributedOptimizer, m, f"DistributedOptimizer.{m}")
+    if trim:
+        _trim_after(torch.optim.AdamW, "step")
+        _trim_after(ShardedMuonStep, "step")
     _wrap(torch.optim.AdamW, "step", "AdamW.step")
     _wrap(ShardedMuonStep, "step", "ShardedMuonStep.step")
     for m in ("gather", "orthogonalize", "scatter"):
@@ -72,15 +93,23 @@ def main(argv=None) -> int:
     p.add_argument("variant", choices=bm.VARIANTS)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--num-layers", type=int, default=6)
+    p.add_argument("--hidden-size", type=int, default=1024)
+    p.add_argument("--ffn-hidden-size", type=int, default=4096)
+    p.add_argument("--num-attention-heads", type=int, default=16)
+    p.add_argument("--vocab-size", type=int, default=50304)
+    p.add_argument("--trim", action="store_true",
+                   help="malloc_trim(0) after each optimizer's inner step (CPU heap retention)")
     a = p.parse_args(argv)
     from megatron_muon.testing.launch import run_ranks
 
-    cfg = dict(num_layers=a.num_layers, hidden_size=1024, ffn_hidden_size=4096,
-               num_attention_heads=16, num_query_groups=None, vocab_size=50304, seq_length=64,
+    cfg = dict(num_layers=a.num_layers, hidden_size=a.hidden_size,
+               ffn_hidden_size=a.ffn_hidden_size, num_attention_heads=a.num_attention_heads,
+               num_query_groups=None, vocab_size=a.vocab_size, seq_length=64,
                micro_batch_size=1, num_microbatches=1)
     with tempfile.TemporaryDirectory(prefix="memory_phases_") as tmp:
         logs = run_ranks("tools.memory_phases:worker", a.nproc,
-                         dict(cfg=cfg, tp=1, variant=a.variant, steps=1, save_dir=tmp),
+                         dict(cfg=cfg, tp=1, variant=a.variant, steps=1, save_dir=tmp,
+                              trim=a.trim),
                          timeout=1800, env={"PYTHONPATH": os.getcwd()})
     for rank, log in enumerate(logs):
         print(f"# rank {rank} ({a.variant}): event, VmRSS MiB, peak MiB since the previous event")

@@ -283,7 +283,7 @@ class DMuonOverlap:
                 eng.finish(h, spec.owned)
             spec.gathers = []
         with span("dmuon.ns"):
-            result = eng.orthogonalize(spec.owned)
+            result = eng.orthogonalize(spec.owned, out=spec.owned)  # gathered U not needed
         spec.out = torch.zeros_like(spec.flat)
         with span("dmuon.scatter_launch"):
             if eng.replicate:

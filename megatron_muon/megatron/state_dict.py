@@ -2,11 +2,13 @@
 
 Megatron's own distributed-optimizer formats key the state by DP shard, which does not
 survive a change of layout; these optimizers save every managed parameter's main value
-and optimizer state (``exp_avg``/``exp_avg_sq``, or DMuon's ``momentum_buffer``) as whole
-TP-local tensors under the parameter's own ``ShardedTensor`` key, so Megatron's
-``dist_checkpointing`` reshards them to any DP / TP / PP layout on load.
+and optimizer state (``exp_avg``/``exp_avg_sq``, or DMuon's ``momentum_buffer``) under the
+parameter's own ``ShardedTensor`` key and global shape, so Megatron's
+``dist_checkpointing`` reshards them to any DP / TP / PP layout on load. Each rank saves
+and loads only the flat range it holds, cut into rectangular blocks that are views of its
+state (``core.flat_blocks``): nothing is gathered or densified (docs/memory.md).
 
-* ``ModelSpaceStateMixin``: the format itself (gather over DP on save, slice on load) and
+* ``ModelSpaceStateMixin``: the format itself (blocks of the own range on save and load) and
   the non-parameter state (param groups, step, grad scaler);
 * ``AdamStateMixin``: ``state_dict``/``load_state_dict`` of the AdamW subset optimizer;
 * ``DMuonStateMixin``: those of DMuon (which finishes any deferred update first).
@@ -19,7 +21,7 @@ parameters the optimizer manages).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_muon.megatron import compat
 
@@ -29,7 +31,10 @@ __all__ = ["ModelSpaceStateMixin", "AdamStateMixin", "DMuonStateMixin"]
 class ModelSpaceStateMixin:
     """The model-space checkpoint format shared by both optimizers (module docstring)."""
 
-    CHECKPOINT_FORMAT = "megatron_muon_model_space"
+    CHECKPOINT_FORMAT = "megatron_muon_model_space_blocks"
+    # The previous format saved the same keys as whole TP-local tensors (summed over DP);
+    # DCP reads this format's blocks out of them, so those checkpoints still load.
+    READABLE_FORMATS = (CHECKPOINT_FORMAT, "megatron_muon_model_space")
     state_keys: tuple = ("exp_avg", "exp_avg_sq")  # saved next to the main param
 
     def _group_state_dict(self, step) -> dict:
@@ -46,75 +51,89 @@ class ModelSpaceStateMixin:
         return [p for chunk in self.model_chunks for _, p in chunk.named_parameters()
                 if p in self._managed]
 
-    def _model_space_state(self, model_sharded_state_dict, is_loading: bool) -> dict:
-        """{index: {key: ShardedTensor}} of whole TP-local tensors, one per managed param.
+    def _held_in_order(self) -> list:
+        """(param, flat range, {key: flat shard tensor}) of the managed params this rank
+        holds a DP slice of, in model order."""
+        if self.is_stub_optimizer:
+            return []
+        keys = ("param",) + tuple(self.state_keys)
+        out = []
+        for p in self._managed_in_order():
+            if p not in self.model_param_gbuf_map:
+                continue
+            r = self._get_model_param_range_map(p)["param"]
+            tensors = self._get_main_param_and_optimizer_states(p)
+            out.append((p, r, {k: tensors[k].view(-1) for k in keys}))
+        return out
 
-        Each DP rank holds a flat slice of every main param and state tensor; they are
-        summed into whole TP-local tensors over the DP group (zeros elsewhere), and saved
-        as model-space ShardedTensors (DP rank 0 is the main replica), so
-        dist_checkpointing reshards them to any DP / TP / PP layout on load.
+    def _model_space_state(self, model_sharded_state_dict) -> dict:
+        """{index: {key: {piece: ShardedTensor}}}: this rank's slice of every main param and
+        state tensor, as views, in model space (the parameter's own key and global shape).
+
+        A DP rank holds one flat range of each TP-local tensor; ``flat_range_blocks`` cuts it
+        into at most 2 ndim - 1 rectangular blocks, each a ShardedTensor at its place in the
+        global tensor (irregular sharding, which ``dist_checkpointing`` leaves to torch DCP).
+        Every element is saved once, by the rank that holds it, with no collective and no
+        copy; on load each rank reads only its own blocks, from any DP / TP / PP layout.
         """
-        from dataclasses import replace
-
-        from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
         from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+        from megatron_muon.core.flat_blocks import flat_range_blocks
 
         meta = {}
         sharded, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
         for sh in nested_values(sharded):
             meta[sh.data] = sh
-        params = self._managed_in_order()
-        full = self._gather_model_space(params, empty=is_loading)
-        dp_rank = self.data_parallel_group.rank()
         out = {}
-        for i, p in enumerate(params):
+        for i, (p, r, flat) in enumerate(self._held_in_order()):
             if p not in meta:
                 raise ValueError("model parameter missing from the model sharded_state_dict")
             sh = meta[p]
-            out[i] = {key: replace(sh, key=f"optimizer.state.{key}.{sh.key}", data=full[key][i],
-                                   dtype=full[key][i].dtype,
-                                   replica_id=(*sh.replica_id[:2], dp_rank))
-                      for key in full}
+            pre = sh.prepend_axis_num
+            blocks = flat_range_blocks(tuple(sh.local_shape), r.start, r.end)
+            out[i] = {}
+            for key, t in flat.items():
+                pieces = {}
+                for j, (lo, offset, shape) in enumerate(blocks):
+                    n = 1
+                    for d in shape:
+                        n *= d
+                    # prepended axes are folded into the block as leading 1s
+                    view = t[lo - r.start: lo - r.start + n].view((1,) * pre + shape)
+                    goff = tuple(sh.global_offset[:pre]) + tuple(
+                        o + b for o, b in zip(sh.global_offset[pre:], offset))
+                    pieces[j] = ShardedTensor(
+                        key=f"optimizer.state.{key}.{sh.key}", data=view, dtype=view.dtype,
+                        local_shape=tuple(view.shape), global_shape=tuple(sh.global_shape),
+                        global_offset=goff, axis_fragmentations=None,
+                        replica_id=(*sh.replica_id[:2], 0))
+                out[i][key] = pieces
         return out
 
     @torch.no_grad()
-    def _gather_model_space(self, params: list, empty: bool) -> dict:
-        keys = ("param",) + tuple(self.state_keys)
-        sizes = [p.numel() for p in params]
-        dev = params[0].device if params else torch.device("cpu")
-        bufs = {k: torch.zeros(sum(sizes), dtype=torch.float32, device=dev) for k in keys}
-        if not empty and not self.is_stub_optimizer:
-            off = 0
-            for p, n in zip(params, sizes):
-                if p in self.model_param_gbuf_map:
-                    r = self._get_model_param_range_map(p)["param"]
-                    tensors = self._get_main_param_and_optimizer_states(p)
-                    for k in keys:
-                        bufs[k][off + r.start: off + r.end].copy_(tensors[k].view(-1))
-                off += n
-            for k in keys:
-                dist.all_reduce(bufs[k], group=self.data_parallel_group)
-        return {k: [t.view_as(p) for t, p in zip(torch.split(bufs[k], sizes), params)]
-                for k in keys}
-
-    @torch.no_grad()
     def _load_model_space_state(self, param_state: dict) -> None:
-        params = self._managed_in_order()
-        for i, p in enumerate(params):
-            if p not in self.model_param_gbuf_map:
-                continue
-            r = self._get_model_param_range_map(p)["param"]
-            tensors = self._get_main_param_and_optimizer_states(p)
-            for k, v in param_state[i].items():
-                tensors[k].view(-1).copy_(v.reshape(-1)[r.start: r.end])
+        """Copy the loaded blocks into this rank's flat state (a no-op where DCP already
+        loaded into the views handed out by ``_model_space_state``)."""
+        for i, (p, r, flat) in enumerate(self._held_in_order()):
+            for key, pieces in param_state[i].items():
+                lo = r.start
+                for j in range(len(pieces)):  # the blocks, in flat order
+                    src = pieces[j].reshape(-1)
+                    dst = flat[key][lo - r.start: lo - r.start + src.numel()]
+                    if src.data_ptr() != dst.data_ptr():
+                        dst.copy_(src)
+                    lo += src.numel()
+                if lo != r.end:
+                    raise ValueError(f"checkpoint blocks of a parameter cover {lo - r.start} "
+                                     f"of this rank's {r.end - r.start} elements")
 
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False,
                            sharding_type=None, metadata=None):
         state_dict = self.state_dict()
         if is_loading:
             self.load_state_dict(self.state_dict())  # allocate state before it is filled
-        state_dict["param_state"] = self._model_space_state(model_sharded_state_dict or {},
-                                                            is_loading)
+        state_dict["param_state"] = self._model_space_state(model_sharded_state_dict or {})
         state_dict["param_state_sharding_type"] = self.CHECKPOINT_FORMAT
         return state_dict
 
@@ -122,7 +141,7 @@ class ModelSpaceStateMixin:
         state_dict = dict(state_dict)
         param_state = state_dict.pop("param_state", None)
         kind = state_dict.pop("param_state_sharding_type", None)
-        if param_state is not None and kind != self.CHECKPOINT_FORMAT:
+        if param_state is not None and kind not in self.READABLE_FORMATS:
             raise ValueError(f"optimizer checkpoint format {kind!r} is not supported here; "
                              f"megatron_muon writes {self.CHECKPOINT_FORMAT!r}")
         return state_dict, param_state
