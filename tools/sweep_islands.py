@@ -61,12 +61,14 @@ def get_args(argv=None):
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated: " +
                    ", ".join(METHODS))
     p.add_argument("--seeds", type=_ints, default=[1, 2, 3], help="init and data-order seeds")
-    p.add_argument("--lr-scales", type=_floats, default=[0.5, 1.0, 1.5],
-                   help="outer lr = published lr x each factor")
-    p.add_argument("--inner-steps", type=_ints, default=[10], help="H values")
+    p.add_argument("--diloco-lr-scales", type=_floats, default=[0.5, 1.0, 1.5],
+                   help="DiLoCo outer lr = published 0.7 x each factor")
+    p.add_argument("--isoloco-lr-scales", type=_floats, default=[1.0, 1.5, 2.5],
+                   help="IsoLoCo outer lr = published 1.8 x each factor")
+    p.add_argument("--inner-steps", type=_ints, default=[5], help="H values")
     p.add_argument("--orders", default="iso_first", help="IsoLoCo momentum orders, "
                    "comma-separated: iso_first, momentum_first")
-    p.add_argument("--train-iters", type=int, default=60, help="inner steps per run")
+    p.add_argument("--train-iters", type=int, default=30, help="inner steps per run")
     p.add_argument("--global-batch", type=int, default=16,
                    help="sequences per inner step over all islands (divisible by every K)")
     p.add_argument("--micro-batch-size", type=int, default=4,
@@ -77,15 +79,24 @@ def get_args(argv=None):
     p.add_argument("--seq-length", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3, help="peak inner AdamW lr")
     p.add_argument("--min-lr", type=float, default=3e-4)
-    p.add_argument("--lr-warmup-iters", type=int, default=6)
+    p.add_argument("--lr-warmup-iters", type=int, default=5)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip-grad", type=float, default=1.0)
     p.add_argument("--eval-samples", type=int, default=64)
+    p.add_argument("--curves", action="store_true",
+                   help="also evaluate after every outer step (default: at the end only)")
+    p.add_argument("--time-repeats", type=int, default=5,
+                   help="NS vs SVD outer-step timing at the largest K: repeats of each")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: deterministic)")
     p.add_argument("--data-path", default=None, help="default: the Python stdlib sources")
     p.add_argument("--data-cache-dir", default=os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "megatron_muon"))
     p.add_argument("--out-dir", default=str(REPO / "runs" / "sweep_islands"))
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the runs already in <out-dir>/sweep_islands.partial.json")
+    p.add_argument("--resume-from", nargs="*", default=[], metavar="JSON",
+                   help="with --resume, also reuse the runs of these partial files (e.g. the "
+                   "same grid split over processes with --seeds)")
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     args.orders = [o.strip() for o in args.orders.split(",") if o.strip()]
@@ -100,8 +111,10 @@ def get_args(argv=None):
     for H in args.inner_steps:
         if H < 1 or args.train_iters % H:
             p.error(f"--inner-steps {H}: must be >= 1 and divide --train-iters")
-    if not args.seeds or not args.lr_scales or min(args.lr_scales) <= 0:
-        p.error("--seeds and --lr-scales need at least one value (scales > 0)")
+    for name in ("seeds", "diloco_lr_scales", "isoloco_lr_scales"):
+        v = getattr(args, name)
+        if not v or (name != "seeds" and min(v) <= 0):
+            p.error(f"--{name.replace('_', '-')} needs at least one value (scales > 0)")
     if not 0 <= args.lr_warmup_iters < args.train_iters:
         p.error("--lr-warmup-iters must be in [0, --train-iters)")
     if args.hidden_size % args.num_attention_heads:
@@ -252,8 +265,9 @@ def one_run(args, seed: int, K: int, method: str, lr_scale: float, H: int, order
             for isl in run.islands:
                 for n, v in isl.items():
                     v.copy_(new[n])
-            curve.append(dict(step=step + 1, loss=run.held_out_loss(run.islands[0])))
-    if outer is None:
+            if args.curves or step + 1 == args.train_iters:
+                curve.append(dict(step=step + 1, loss=run.held_out_loss(run.islands[0])))
+    if not curve or curve[-1]["step"] != args.train_iters:
         curve.append(dict(step=args.train_iters, loss=run.held_out_loss(run.islands[0])))
     return dict(seed=seed, islands=K, method=method, lr_scale=lr_scale, outer_lr=lr, H=H,
                 order=order if method.startswith("isoloco") else None, curve=curve,
@@ -261,7 +275,44 @@ def one_run(args, seed: int, K: int, method: str, lr_scale: float, H: int, order
                 seconds=time.perf_counter() - t0)
 
 
+def time_outer_step(args, K: int, seed: int, data) -> dict:
+    """Median seconds of one IsoLoCo outer step (svd vs ns), interleaved, on the mean
+    pseudo-gradient of K islands after H inner steps; and how far the two results are apart."""
+    import torch
+
+    from megatron_muon.islands.isoloco import OuterOptimizer, mean_pseudo_gradient
+
+    H = args.inner_steps[0]
+    run = Run(args, seed, K, *data)
+    for step in range(H):
+        run.inner_step(step)
+    mean = mean_pseudo_gradient(run.theta0, run.islands)
+    times = {"svd": [], "ns": []}
+    res = {}
+    for _ in range(args.time_repeats):
+        for mode in ("svd", "ns"):
+            opt = OuterOptimizer(run.theta0, "isoloco", iso_mode=mode)
+            t = time.perf_counter()
+            res[mode] = opt.step(mean)
+            times[mode].append(time.perf_counter() - t)
+    rel = max((torch.linalg.norm(res["ns"][n] - res["svd"][n]) /
+               torch.linalg.norm(res["svd"][n] - run.theta0[n])).item()
+              for n in opt.iso_names)
+    out = dict(islands=K, H=H, svd_s=statistics.median(times["svd"]),
+               ns_s=statistics.median(times["ns"]), repeats=args.time_repeats,
+               max_rel_update_diff=rel, n_iso_matrices=len(opt.iso_names))
+    print(f"outer step at K {K} (median of {args.time_repeats}, interleaved): svd "
+          f"{1e3 * out['svd_s']:.1f} ms, ns {1e3 * out['ns_s']:.1f} ms (svd / ns "
+          f"{out['svd_s'] / out['ns_s']:.2f}x); max over matrices of ||step_ns - step_svd|| / "
+          f"||step_svd|| = {rel:.1e}", flush=True)
+    return out
+
+
 # ============================================================================ report
+def _run_id(r):
+    return (r["seed"], r["islands"], r["method"], r["lr_scale"], r["H"], r["order"])
+
+
 def _key(r):
     return (r["method"], r["islands"], r["H"], r["order"])
 
@@ -340,6 +391,14 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     setup(args)
     t_all = time.perf_counter()
+    partial_path = out / "sweep_islands.partial.json"
+    done = {}
+    if args.resume:
+        for path in [partial_path] + [Path(f) for f in args.resume_from]:
+            if path.exists():
+                for r in json.loads(path.read_text()):
+                    done[_run_id(r)] = r
+        print(f"resuming: {len(done)} runs already done", flush=True)
     runs = []
     for seed in args.seeds:
         data = datasets(args, seed)
@@ -348,18 +407,24 @@ def main(argv=None) -> int:
                 for method in args.methods:
                     if method == "adam" and (K != args.islands[0] or H != args.inner_steps[0]):
                         continue  # data parallelism does not depend on K or H
-                    scales = [1.0] if method == "adam" else args.lr_scales
+                    scales = [1.0] if method == "adam" else args.diloco_lr_scales \
+                        if method == "diloco" else args.isoloco_lr_scales
                     orders = args.orders if method.startswith("isoloco") else [None]
                     for order in orders:
                         for s in scales:
+                            rid = (seed, K if method != "adam" else 0, method, s,
+                                   H if method != "adam" else 0, order)
+                            if rid in done:
+                                runs.append(done[rid])
+                                continue
                             r = one_run(args, seed, K, method, s, H, order, data)
+                            if method == "adam":  # the same for every K and H
+                                r["islands"], r["H"] = 0, 0
                             runs.append(r)
+                            partial_path.write_text(json.dumps(runs))
                             print(f"seed {seed} K {K:2d} H {H:3d} {method:11s} "
                                   f"{order or '':14s} lr x {s:<4g} loss {r['final_loss']:.4f} "
                                   f"({r['seconds']:.1f} s)", flush=True)
-    for r in runs:  # the data-parallel baseline belongs to every K and H
-        if r["method"] == "adam":
-            r["islands"], r["H"] = 0, 0
     rows = summarise(runs)
     lines = table(rows)
     print("\n".join(lines))
@@ -380,8 +445,13 @@ def main(argv=None) -> int:
                   f"(svd / ns {ts / tn:.2f}x); final loss ns - svd: mean "
                   f"{fast[K]['mean_loss_diff']:+.2e}, max |.| {fast[K]['max_abs_loss_diff']:.2e}"
                   f" over {len(pairs)} paired runs", flush=True)
+    timing = None
+    if {"isoloco-svd", "isoloco-ns"} & set(args.methods) and args.time_repeats > 0:
+        timing = time_outer_step(args, max(args.islands), args.seeds[0],
+                                 datasets(args, args.seeds[0]))
     (out / "sweep_islands.json").write_text(json.dumps(dict(
         args=vars(args), runs=runs, summary=rows, table=lines, ns_vs_svd=fast,
+        outer_step_timing=timing,
         seconds=time.perf_counter() - t_all), indent=1))
     print(f"wrote {out / 'sweep_islands.json'} ({time.perf_counter() - t_all:.0f} s)", flush=True)
     plot(args, rows, out / "sweep_islands.png")
