@@ -65,6 +65,9 @@ def get_args(argv=None):
                    help="DiLoCo outer lr = published 0.7 x each factor")
     p.add_argument("--isoloco-lr-scales", type=_floats, default=[1.0, 1.5, 2.5],
                    help="IsoLoCo outer lr = published 1.8 x each factor")
+    p.add_argument("--ns-lr-scales", type=_floats, default=None,
+                   help="isoloco-ns only at these factors (default: --isoloco-lr-scales); "
+                   "the NS-vs-SVD comparison pairs runs of equal lr")
     p.add_argument("--inner-steps", type=_ints, default=[5], help="H values")
     p.add_argument("--orders", default="iso_first", help="IsoLoCo momentum orders, "
                    "comma-separated: iso_first, momentum_first")
@@ -408,7 +411,8 @@ def main(argv=None) -> int:
                     if method == "adam" and (K != args.islands[0] or H != args.inner_steps[0]):
                         continue  # data parallelism does not depend on K or H
                     scales = [1.0] if method == "adam" else args.diloco_lr_scales \
-                        if method == "diloco" else args.isoloco_lr_scales
+                        if method == "diloco" else args.ns_lr_scales or args.isoloco_lr_scales \
+                        if method == "isoloco-ns" else args.isoloco_lr_scales
                     orders = args.orders if method.startswith("isoloco") else [None]
                     for order in orders:
                         for s in scales:
