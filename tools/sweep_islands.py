@@ -97,6 +97,9 @@ def get_args(argv=None):
     p.add_argument("--out-dir", default=str(REPO / "runs" / "sweep_islands"))
     p.add_argument("--resume", action="store_true",
                    help="reuse the runs already in <out-dir>/sweep_islands.partial.json")
+    p.add_argument("--report-only", action="store_true",
+                   help="with --resume: train nothing, summarise the runs found (a grid "
+                   "point with no finished run is left out of the table)")
     p.add_argument("--resume-from", nargs="*", default=[], metavar="JSON",
                    help="with --resume, also reuse the runs of these partial files (e.g. the "
                    "same grid split over processes with --seeds)")
@@ -338,14 +341,14 @@ def summarise(runs: list) -> list:
 
 
 def table(rows: list) -> list:
-    lines = ["| method | K | H | order | best outer lr x | loss at best (mean, min..max, "
-             "3 seeds) | loss at published lr (mean, min..max) |",
+    lines = ["| method | K | H | order | best outer lr x | loss at best (mean, min..max; "
+             "seeds) | loss at published lr (mean, min..max; seeds) |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         b, p = r["best"], r["published"]
         lines.append(f"| {r['method']} | {r['islands']} | {r['H']} | {r['order'] or '-'} | "
-                     f"{r['best_scale']:g} | {b['mean']:.4f} ({b['lo']:.4f}..{b['hi']:.4f}) | "
-                     f"{p['mean']:.4f} ({p['lo']:.4f}..{p['hi']:.4f}) |")
+                     f"{r['best_scale']:g} | {b['mean']:.4f} ({b['lo']:.4f}..{b['hi']:.4f}; "
+                     f"{b['n']}) | {p['mean']:.4f} ({p['lo']:.4f}..{p['hi']:.4f}; {p['n']}) |")
     return lines
 
 
@@ -402,9 +405,9 @@ def main(argv=None) -> int:
                 for r in json.loads(path.read_text()):
                     done[_run_id(r)] = r
         print(f"resuming: {len(done)} runs already done", flush=True)
-    runs = []
+    runs, missing = [], []
     for seed in args.seeds:
-        data = datasets(args, seed)
+        data = None if args.report_only else datasets(args, seed)
         for H in args.inner_steps:
             for K in args.islands:
                 for method in args.methods:
@@ -421,6 +424,9 @@ def main(argv=None) -> int:
                             if rid in done:
                                 runs.append(done[rid])
                                 continue
+                            if args.report_only:
+                                missing.append(rid)
+                                continue
                             r = one_run(args, seed, K, method, s, H, order, data)
                             if method == "adam":  # the same for every K and H
                                 r["islands"], r["H"] = 0, 0
@@ -429,6 +435,10 @@ def main(argv=None) -> int:
                             print(f"seed {seed} K {K:2d} H {H:3d} {method:11s} "
                                   f"{order or '':14s} lr x {s:<4g} loss {r['final_loss']:.4f} "
                                   f"({r['seconds']:.1f} s)", flush=True)
+    if missing:
+        print(f"--report-only: {len(missing)} grid points have no finished run: "
+              + ", ".join(f"seed {m[0]} K {m[1]} {m[2]} lr x {m[3]:g} H {m[4]} {m[5] or ''}"
+                          for m in missing), flush=True)
     rows = summarise(runs)
     lines = table(rows)
     print("\n".join(lines))
@@ -454,7 +464,7 @@ def main(argv=None) -> int:
         timing = time_outer_step(args, max(args.islands), args.seeds[0],
                                  datasets(args, args.seeds[0]))
     (out / "sweep_islands.json").write_text(json.dumps(dict(
-        args=vars(args), runs=runs, summary=rows, table=lines, ns_vs_svd=fast,
+        args=vars(args), runs=runs, summary=rows, table=lines, ns_vs_svd=fast, missing=missing,
         outer_step_timing=timing,
         seconds=time.perf_counter() - t_all), indent=1))
     print(f"wrote {out / 'sweep_islands.json'} ({time.perf_counter() - t_all:.0f} s)", flush=True)
