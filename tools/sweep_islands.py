@@ -65,13 +65,13 @@ def get_args(argv=None):
                    help="DiLoCo outer lr = published 0.7 x each factor")
     p.add_argument("--isoloco-lr-scales", type=_floats, default=[1.0, 1.5, 2.5],
                    help="IsoLoCo outer lr = published 1.8 x each factor")
-    p.add_argument("--ns-lr-scales", type=_floats, default=None,
-                   help="isoloco-ns only at these factors (default: --isoloco-lr-scales); "
+    p.add_argument("--ns-lr-scales", type=_floats, default=[1.0],
+                   help="isoloco-ns only at these factors (empty: --isoloco-lr-scales); "
                    "the NS-vs-SVD comparison pairs runs of equal lr")
     p.add_argument("--inner-steps", type=_ints, default=[5], help="H values")
     p.add_argument("--orders", default="iso_first", help="IsoLoCo momentum orders, "
                    "comma-separated: iso_first, momentum_first")
-    p.add_argument("--train-iters", type=int, default=30, help="inner steps per run")
+    p.add_argument("--train-iters", type=int, default=20, help="inner steps per run")
     p.add_argument("--global-batch", type=int, default=16,
                    help="sequences per inner step over all islands (divisible by every K)")
     p.add_argument("--micro-batch-size", type=int, default=4,
