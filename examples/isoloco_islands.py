@@ -28,6 +28,15 @@ gradients + all-gather of fp32 parameters), for the islands what ``IslandOuterSt
 Prints a table and writes ``<--out-dir>/isoloco_islands.{png,json}`` (default ``runs/``).
 The numbers are what this small model on this small budget gives; at this scale IsoLoCo
 need not beat DiLoCo or data parallelism.
+
+Deterministic: data order, initialisation and every collective's reduction order are fixed,
+so two runs on one machine agree bitwise. What used to change between machines (and
+between the README's run and a re-run: up to 0.016 in held-out loss) was the number of
+torch threads per rank, which defaulted to the core count / ranks: fp32 kernels sum in
+thread-sized blocks, the last bits differ, and 300 steps of training with an outer step
+that multiplies by lr (1 + mu) ~ 1.3 (DiLoCo) turn them into visible differences.
+``--threads`` (default 1) fixes it; a different torch build or CPU instruction set can still
+change the last bits (docs/isoloco.md#determinism).
 """
 
 from __future__ import annotations
@@ -84,6 +93,11 @@ def get_args(argv=None) -> argparse.Namespace:
                    help="clip the gradient norm to this (0: off)")
     p.add_argument("--eval-samples", type=int, default=128, help="held-out samples per evaluation")
     p.add_argument("--seed", type=int, default=1234, help="random seed")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads per rank. The result depends on it (matmul and "
+                   "reduction kernels block their sums by thread), so it is fixed rather than "
+                   "taken from the core count: the same command gives the same numbers on any "
+                   "machine with the same torch build")
     p.add_argument("--data-path", default=None, help="default: the Python stdlib sources")
     p.add_argument("--data-cache-dir", default=os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "megatron_muon"),
@@ -96,7 +110,7 @@ def get_args(argv=None) -> argparse.Namespace:
     if bad or not args.methods:
         p.error(f"--methods: unknown {bad or '(none)'}; choose from {', '.join(METHODS)}")
     for name in ("train_iters", "diloco_inner_steps", "micro_batch_size", "eval_samples",
-                 "nproc", "seq_length"):
+                 "nproc", "seq_length", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.train_iters % args.diloco_inner_steps:
@@ -216,7 +230,8 @@ def run_method(args, method: str, train, valid) -> dict:
     data_args = argparse.Namespace(micro_batch_size=args.micro_batch_size,
                                    data_parallel_size=world,
                                    global_batch_size=args.global_batch_size,
-                                   seq_length=args.seq_length)
+                                   seq_length=args.seq_length,
+                                   check_for_nan_in_loss_and_grad=False)
     H = args.diloco_inner_steps
     say = print if dist.get_rank() == 0 else (lambda *a, **k: None)
     curve = [dict(step=0, loss=held_out_loss(args, model, valid))]
@@ -261,7 +276,7 @@ def rank_main(args) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     else:
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        torch.set_num_threads(args.threads)  # never from the environment: see --threads
     dist.init_process_group(backend=default_backend(), timeout=datetime.timedelta(minutes=10))
     world = dist.get_world_size()
     args.global_batch_size = args.micro_batch_size * world
@@ -345,7 +360,9 @@ def launch_local(args, argv) -> int:
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     logs = [None] + [Path(args.out_dir) / f"isoloco_islands.rank{r}.log"
                      for r in range(1, args.nproc)]
-    procs = start_ranks([sys.executable, os.path.abspath(__file__), *argv], args.nproc, logs=logs)
+    procs = start_ranks([sys.executable, os.path.abspath(__file__), *argv], args.nproc,
+                        threads=args.threads, env={"OMP_NUM_THREADS": str(args.threads)},
+                        logs=logs)
     code, rank = supervise(procs, args.timeout)  # prints why it stopped early
     if code == 0:
         print(f"wall time {time.perf_counter() - T_LAUNCH:.0f} s", flush=True)

@@ -2,7 +2,9 @@
 
 Two launches of 4 gloo ranks: ``islands_suite`` runs every layout below one after the other
 (K = 1 with TP2 x DP2 against a plain Megatron run; 4 islands x 1 rank with DiLoCo, IsoLoCo
-svd + a checkpoint resume, IsoLoCo ns momentum-first; 2 islands x TP2, x PP2 and x DP2), and
+svd + a checkpoint resume, IsoLoCo ns momentum-first; 2 islands x TP2, x PP2 and x DP2; and
+2 islands x TP2 and x PP2 inner-trained with dmuon, against the same 2 islands emulated as
+1-rank islands in one process), and
 ``islands_fault`` runs the fault mode with island 3 stalled past the timeout. The outer step
 is checked against ``megatron_muon.islands.isoloco.OuterOptimizer`` fed the islands' parameters.
 """
@@ -10,11 +12,12 @@ is checked against ``megatron_muon.islands.isoloco.OuterOptimizer`` fed the isla
 from __future__ import annotations
 
 import argparse
+import math
 
 import pytest
 import torch
 
-from megatron_muon.islands.isoloco import OuterOptimizer, mean_pseudo_gradient
+from megatron_muon.islands.isoloco import OUTER_DEFAULTS, OuterOptimizer, mean_pseudo_gradient
 from megatron_muon.islands.runtime import (
     OuterArgumentError,
     add_outer_args,
@@ -30,6 +33,9 @@ SUITE_KW = {  # outer-optimizer settings of islands_suite (island_workers.py)
     "tp2": dict(method="isoloco", iso_mode="svd"),
     "pp2": dict(method="isoloco", iso_mode="ns"),
     "dp2": dict(method="isoloco", iso_mode="svd", order="momentum_first"),
+    # dmuon inner optimizer (island_workers.INNER_DMUON), DiLoCo outer step
+    "tp2_dmuon": dict(method="diloco"),
+    "pp2_dmuon": dict(method="diloco"),
 }
 FP64_DELTAS = {"k4_isoloco_svd", "k4_isoloco_ns_mf"}  # see test_outer_step_matches_reference
 
@@ -162,6 +168,73 @@ def test_each_iso_c_computed_once_and_bytes_counted(suite):
         assert sum(x["iso_computed"] for x in recs) == 2 * n_mats, key  # 2 rounds
         assert sum(x["iso_computed"] > 0 for x in recs) > 1, key  # spread over owners
     assert suite[0]["k4_diloco"]["iso_computed"] == 0
+
+
+# ----------------------------------------------------------------------------- dmuon islands
+def dmuon_island_bounds(grad_max: float, rounds: int = 2, H: int = 2) -> list:
+    """[(bound before the outer step, bound after it)] per round: how far TP2 / PP2 islands
+    may drift from the 1-rank islands, from the arithmetic (as tests/test_dmuon.py).
+
+    One inner step: TP splits inner products of length <= ffn = 64 and the weight gradients
+    sum 2 x 8 = 16 tokens, so at most K = 64 + 16 additions per element run in another order;
+    two orders of a K-term fp32 sum differ by <= 2 K EPS32 sum|terms|. Muon matrices (Newton-
+    Schulz sees M / ||M||_F, only the relative error counts): the update lr sqrt(max(m, n)) O,
+    |O_ij| <= 1.2, max(m, n) = 64, moves by <= lr 8 1.2 2 K EPS32. AdamW parameters (embedding,
+    output layer, norms): lr m / (sqrt(v) + eps) moves by <= lr |dg| / eps through m and as
+    much through v, |dg| ~ sqrt(2 K) EPS32 G with G the largest AdamW gradient element, taken
+    from the 1-rank run (``adam_grad_max``). A start error is carried through H inner steps as
+    is (the step is a bounded-slope map of the start point at this lr), each step adds e.
+    The DiLoCo outer step (lr 0.7, Nesterov mu 0.9) then gives, for errors E of theta, dD of
+    mean D and dm of the momentum: dD_r = E_{r-1} + H e, dm_r = mu dm_{r-1} + dD_r,
+    E_r = E_{r-1} + lr (dD_r + mu dm_r).
+    """
+    eps32, lr, eps_adam = 2.0 ** -23, 2e-3, 1e-3  # island_workers.INNER_DMUON
+    K = 64 + 16
+    e = max(lr * math.sqrt(64) * 1.2 * 2 * K * eps32,
+            2 * lr * math.sqrt(2 * K) * eps32 * grad_max / eps_adam)
+    lr_o, mu = OUTER_DEFAULTS["diloco"]["lr"], OUTER_DEFAULTS["diloco"]["momentum"]
+    out, E, dm = [], 0.0, 0.0
+    for _ in range(rounds):
+        dD = E + H * e
+        dm = mu * dm + dD
+        out.append((dD, E + lr_o * (dD + mu * dm)))
+        E = out[-1][1]
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("key", ["tp2_dmuon", "pp2_dmuon"])
+def test_dmuon_islands_match_one_rank_islands(suite, key):
+    """2 islands of TP2 (or PP2) inner-trained with dmuon, DiLoCo outer step, against the same
+    2 islands of 1 rank at equal tokens (each island reads the same samples), emulated in one
+    process with the library's OuterOptimizer: the island parameters before each outer step
+    and the global parameters after it agree within ``dmuon_island_bounds`` (measured:
+    TP2 <= 1.7e-7, PP2 bitwise, on megatron-core 0.16.1)."""
+    ref = suite[0]["ref1_dmuon"]
+    for r in suite[1:]:  # the emulation is the same on every rank
+        for rnd, x in enumerate(r["ref1_dmuon"]["rounds"]):
+            for n, t in x["after"].items():
+                assert torch.equal(t, ref["rounds"][rnd]["after"][n]), n
+    recs = [r[key] for r in suite]
+    heads = _heads(recs)
+    theta0 = _merge(h["theta0"] for h in heads[0])
+    assert set(theta0) == set(ref["theta0"])
+    for n, t in theta0.items():  # layout-invariant initialisation
+        assert torch.equal(t, ref["theta0"][n]), n
+    bounds = dmuon_island_bounds(ref["adam_grad_max"], rounds=len(ref["rounds"]))
+    for rnd, (tol_before, tol_after) in enumerate(bounds):
+        for k in sorted(heads):
+            before = _merge(h["rounds"][rnd]["before"] for h in heads[k])
+            for n, t in before.items():
+                err = (t - ref["rounds"][rnd]["before"][k][n]).abs().max().item()
+                assert err <= tol_before, (key, rnd, k, n, err, tol_before)
+        for r in recs:  # every rank holds the same global parameters after the outer step
+            for n, t in r["rounds"][rnd]["after"].items():
+                err = (t - ref["rounds"][rnd]["after"][n]).abs().max().item()
+                assert err <= tol_after, (key, rnd, n, err, tol_after)
+    moved = max((ref["rounds"][-1]["after"][n] - theta0[n]).abs().max().item() for n in theta0)
+    assert moved > 100 * bounds[-1][1], (moved, bounds)  # the comparison is not vacuous
 
 
 # ----------------------------------------------------------------------------- checkpoint

@@ -23,13 +23,20 @@ TINY = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_head
             num_query_groups=2, vocab_size=64, seq_length=8, micro_batch_size=2,
             num_microbatches=1)
 INNER = dict(lr=3e-3, weight_decay=0.0)
+# dmuon inner optimizer ("DiLoCo with a Muon inner optimizer"), as tests/test_dmuon.py: fp32
+# Newton-Schulz, and adam_eps 1e-3 so that the AdamW part (embedding, output layer, norms) is
+# not ill-conditioned by gradient elements near zero (the bound in tests/test_islands.py)
+INNER_DMUON = dict(lr=2e-3, weight_decay=0.0, adam_eps=1e-3, muon_fp32_matmul_prec="highest",
+                   muon_nesterov=True)
+DMUON_OUTER = dict(method="diloco")  # published defaults: lr 0.7, Nesterov momentum 0.9
 
 
 def _build(gcfg, opt_kind: str = "adam"):
     from megatron_muon.megatron.factory import get_megatron_optimizer
 
     model = build_gpt(gcfg)
-    ocfg = make_optimizer_config(opt_kind, bf16=False, **INNER)
+    ocfg = make_optimizer_config(opt_kind, bf16=False,
+                                 **(INNER_DMUON if opt_kind == "dmuon" else INNER))
     optim = get_megatron_optimizer(ocfg, model)
     return model, optim, constant_scheduler(optim, ocfg)
 
@@ -52,14 +59,14 @@ def _inner_steps(model, optim, sched, gcfg, island: int, first: int, H: int) -> 
 
 
 def _island_run(gcfg, K: int, tp: int, pp: int, outer_kw: dict, rounds: int, H: int,
-                checkpoint: Optional[str] = None) -> dict:
+                checkpoint: Optional[str] = None, opt_kind: str = "adam") -> dict:
     """Train ``rounds`` x (H inner steps + outer step); record what the reference needs."""
     from megatron_muon.islands.runtime import (IslandOuterStep, destroy_islands,
                                                 initialize_islands, load_island_checkpoint,
                                                 save_island_checkpoint)
 
     layout = initialize_islands(K, tp=tp, pp=pp, seed=gcfg.seed)
-    model, optim, sched = _build(gcfg)
+    model, optim, sched = _build(gcfg, opt_kind)
     outer = IslandOuterStep(model, layout, inner_optimizer=optim, **outer_kw)
     rec = dict(island=layout.island, local=layout.local_rank, **_coords(),
                theta0=full_named_params(model), rounds=[], losses=[])
@@ -104,6 +111,45 @@ def _island_run(gcfg, K: int, tp: int, pp: int, outer_kw: dict, rounds: int, H: 
     return rec
 
 
+def _emulated_run(gcfg, K: int, outer_kw: dict, rounds: int, H: int,
+                  opt_kind: str = "dmuon") -> dict:
+    """K islands of one rank each, emulated in this process: K models with their own inner
+    optimizers (Megatron TP1 x PP1 x DP1: every rank of the world is an island of its own
+    here, so Megatron's groups are this rank alone) trained on the data the real island k
+    reads, merged by the library's ``OuterOptimizer`` on ``mean_pseudo_gradient`` -- the
+    1-rank-island result the TP2 / PP2 islands are compared with at equal tokens."""
+    from megatron_muon.islands.isoloco import OuterOptimizer, mean_pseudo_gradient
+    from megatron_muon.islands.runtime import (destroy_islands, initialize_islands,
+                                                island_param_names)
+    from megatron_muon.megatron.params import is_muon_matrix
+
+    initialize_islands(dist.get_world_size(), seed=gcfg.seed)
+    islands = [_build(gcfg, opt_kind) for _ in range(K)]  # every rank builds K (collectives)
+    theta0 = full_named_params(islands[0][0])
+    outer = OuterOptimizer(theta0, **outer_kw)
+    rec = dict(theta0=theta0, rounds=[], adam_grad_max=0.0)
+    for r in range(rounds):
+        before = []
+        for k, (model, optim, sched) in enumerate(islands):
+            for s in range(r * H, (r + 1) * H):
+                _inner_steps(model, optim, sched, gcfg, k, s, 1)
+                # largest gradient element of an AdamW parameter (the tests' tolerance)
+                rec["adam_grad_max"] = max([rec["adam_grad_max"]] + [
+                    p.main_grad.abs().max().item() for n, p in island_param_names(model)
+                    if not is_muon_matrix(n, p) and getattr(p, "main_grad", None) is not None])
+            before.append(full_named_params(model))
+        outer.step(mean_pseudo_gradient(outer.params, before))
+        with torch.no_grad():
+            for model, optim, _ in islands:
+                for name, p in island_param_names(model):
+                    p.data.copy_(outer.params[name].to(p.dtype))
+                optim.reload_model_params()
+        rec["rounds"].append(dict(before=before,
+                                  after={n: t.clone() for n, t in outer.params.items()}))
+    destroy_islands()
+    return rec
+
+
 def _plain_run(gcfg, tp: int, steps: int) -> dict:
     """The same training without islands: Megatron's own initialisation, no outer step."""
     init_parallel(tp=tp, seed=gcfg.seed)
@@ -114,11 +160,13 @@ def _plain_run(gcfg, tp: int, steps: int) -> dict:
 
 def islands_suite(workdir: str, parts: Optional[list] = None) -> dict:
     """Runs on 4 ranks. Parts: k1 (K=1, TP2 x DP2 vs plain), k4 (4 x 1: diloco, isoloco svd with
-    checkpoint resume, isoloco ns momentum_first), tp2 (2 x TP2), pp2 (2 x PP2), dp2 (2 x DP2)."""
+    checkpoint resume, isoloco ns momentum_first), tp2 (2 x TP2), pp2 (2 x PP2), dp2 (2 x DP2),
+    all with an AdamW inner optimizer; dmuon (2 x TP2 and 2 x PP2 with a dmuon inner
+    optimizer and the DiLoCo outer step, and the same 2 islands emulated as 1-rank islands)."""
     from megatron.core import parallel_state as ps
 
     gcfg = TinyGPTConfig(**TINY)
-    parts = parts or ["k1", "k4", "tp2", "pp2", "dp2"]
+    parts = parts or ["k1", "k4", "tp2", "pp2", "dp2", "dmuon"]
     out = {}
     timings = {}
     for part in parts:
@@ -144,6 +192,10 @@ def islands_suite(workdir: str, parts: Optional[list] = None) -> dict:
         elif part == "dp2":
             out["dp2"] = _island_run(gcfg, 2, 1, 1, dict(method="isoloco", iso_mode="svd",
                                                          order="momentum_first"), 2, 2)
+        elif part == "dmuon":
+            out["tp2_dmuon"] = _island_run(gcfg, 2, 2, 1, DMUON_OUTER, 2, 2, opt_kind="dmuon")
+            out["pp2_dmuon"] = _island_run(gcfg, 2, 1, 2, DMUON_OUTER, 2, 2, opt_kind="dmuon")
+            out["ref1_dmuon"] = _emulated_run(gcfg, 2, DMUON_OUTER, 2, 2, opt_kind="dmuon")
         else:
             raise ValueError(part)
         timings[part] = time.perf_counter() - t0
