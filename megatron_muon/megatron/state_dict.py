@@ -9,7 +9,13 @@ TP-local tensors under the parameter's own ``ShardedTensor`` key, so Megatron's
 * ``ModelSpaceStateMixin``: the format itself (gather over DP on save, slice on load) and
   the non-parameter state (param groups, step, grad scaler);
 * ``AdamStateMixin``: ``state_dict``/``load_state_dict`` of the AdamW subset optimizer;
-* ``DMuonStateMixin``: those of DMuon (which finishes any deferred update first).
+* ``DMuonStateMixin``: those of DMuon (which finishes any deferred update first);
+* ``LionStateMixin``: those of the Lion subset optimizer (``muon_scalar_optimizer='lion'``),
+  DMuon's own format with Lion's state key (``exp_avg``).
+
+The scalar optimizer's name is saved with the non-parameter state: resuming an AdamW
+subset from a Lion checkpoint or the other way round is an error (the state tensors mean
+different things).
 
 The mixins sit in front of ``DistributedOptimizer`` in the classes of
 ``megatron_muon.megatron.dmuon``; they use its range maps and ``_managed`` (the
@@ -23,7 +29,20 @@ import torch.distributed as dist
 
 from megatron_muon.megatron import compat
 
-__all__ = ["ModelSpaceStateMixin", "AdamStateMixin", "DMuonStateMixin"]
+__all__ = ["ModelSpaceStateMixin", "AdamStateMixin", "DMuonStateMixin", "LionStateMixin",
+           "check_scalar_optimizer"]
+
+SCALAR_OPTIMIZER_KEY = "scalar_optimizer"  # in the non-parameter state of the subset
+
+
+def check_scalar_optimizer(state_dict: dict, expected: str) -> None:
+    """A checkpoint of the non-matrix parameters' optimizer must be of the same kind (AdamW
+    checkpoints written before this key existed count as 'adam')."""
+    saved = state_dict.get(SCALAR_OPTIMIZER_KEY, "adam")
+    if saved != expected:
+        raise ValueError(f"the checkpoint's non-matrix parameters were trained with {saved}, "
+                         f"this run uses muon_scalar_optimizer={expected!r}: resume with "
+                         f"--muon-scalar-optimizer {saved}")
 
 
 class ModelSpaceStateMixin:
@@ -139,6 +158,7 @@ class AdamStateMixin(ModelSpaceStateMixin):
         return super().state_dict()
 
     def load_state_dict(self, state_dict):
+        check_scalar_optimizer(state_dict, "adam")
         state_dict, param_state = self._split_param_state(state_dict)
         steps = {g.get("step") for g in state_dict["optimizer"]["param_groups"]} - {None}
         if len(steps) == 1:
@@ -179,3 +199,22 @@ class DMuonStateMixin(ModelSpaceStateMixin):
     def sharded_state_dict(self, *args, **kwargs):
         self.finish_deferred()
         return super().sharded_state_dict(*args, **kwargs)
+
+
+class LionStateMixin(DMuonStateMixin):
+    """``state_dict`` / ``load_state_dict`` / ``sharded_state_dict`` of the Lion subset: the
+    same non-parameter state as DMuon (its inner optimizer also keeps no per-parameter
+    step) with Lion's ``exp_avg`` as the parameter state, plus the scalar optimizer's name."""
+
+    state_keys = ("exp_avg",)
+
+    def state_dict(self):
+        return {**super().state_dict(), SCALAR_OPTIMIZER_KEY: "lion"}
+
+    def load_state_dict(self, state_dict):
+        check_scalar_optimizer(state_dict, "lion")
+        state_dict = {k: v for k, v in state_dict.items() if k != SCALAR_OPTIMIZER_KEY}
+        super().load_state_dict(state_dict)
+
+    def finish_deferred(self) -> None:
+        """Nothing is deferred: Lion's step finishes inside ``step()``."""

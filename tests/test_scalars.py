@@ -1,0 +1,105 @@
+"""Megatron's Muon extras under dmuon: Lion for the non-matrix parameters
+(``muon_scalar_optimizer='lion'``) against a single-process Lion, with checkpoint resume.
+
+Exactness.  Lion's update is lr * sign(c), so any rounding difference in a gradient can flip
+a sign and move a parameter by 2 lr: a tolerance would have to be 2 lr and would test
+little.  The comparisons here are therefore bitwise, on a layout whose gradients are
+bitwise those of the reference: DP2 with one microbatch per rank against one process with
+the same two microbatches.  Every gradient element is then g0 / 2 + g1 / 2 in both (the
+loss scale 1 / num_microbatches and the DP average 1 / 2 are powers of two, exact in fp32,
+and a two-term sum is the same in either order), and Lion is element-wise, so a DP shard's
+update is the whole tensor's.  ``dmuon_adam_params='.*'`` gives every parameter to the Lion
+subset: Newton-Schulz (batched on the owner, unbatched in the reference) rounds differently,
+and that difference would reach the Lion parameters through the next step's gradients.
+"""
+
+import tempfile
+
+import pytest
+import torch
+
+from megatron_muon.core.lion import Lion, lion_update
+from megatron_muon.testing.launch import run_ranks
+
+LION = dict(muon_scalar_optimizer="lion", lion_beta1=0.9, lion_beta2=0.99, lr=2e-3,
+            weight_decay=0.1, dmuon_adam_params=".*")
+CFG = {"num_microbatches": 1}
+STEPS, SAVE_AT = 4, 2
+
+
+def test_lion_update_is_the_papers_update():
+    """core.lion against the paper's formulas, written out here (fp64, so rounding cannot
+    flip a sign): c = b1 m + (1 - b1) g; p <- p - lr (sign(c) + wd p); m <- b2 m + (1 - b2) g."""
+    torch.manual_seed(0)
+    b1, b2, lr, wd = 0.9, 0.99, 1e-2, 0.1
+    p = torch.randn(64, 33, dtype=torch.float64)
+    m = torch.randn_like(p)
+    ref_p, ref_m = p.clone(), m.clone()
+    for _ in range(3):
+        g = torch.randn_like(p)
+        lion_update(p, g, m, lr=lr, weight_decay=wd, beta1=b1, beta2=b2)
+        c = b1 * ref_m + (1 - b1) * g
+        ref_p = ref_p - lr * (torch.sign(c) + wd * ref_p)
+        ref_m = b2 * ref_m + (1 - b2) * g
+    # p: the paper's (1 - lr wd) p - lr sign(c) vs our p - lr wd p - lr sign(c) differ by a
+    # few fp64 roundings of numbers <= 5 per step: 3 steps x 4 x 2^-52 x 5 < 1e-14.
+    assert torch.allclose(p, ref_p, rtol=0, atol=1e-14)
+    # m: lerp vs b2 m + (1 - b2) g, a few fp64 roundings of |m| <= 5 per step.
+    assert torch.allclose(m, ref_m, rtol=0, atol=1e-14)
+    # a weight-decay-free step of a zero gradient and zero state leaves p alone (sign(0) = 0)
+    q = torch.ones(3)
+    Lion([q], lr=1.0, weight_decay=0.0).step() if q.grad is not None else None
+    q.grad = torch.zeros(3)
+    Lion([q], lr=1.0, weight_decay=0.0).step()
+    assert torch.equal(q, torch.ones(3))
+
+
+def test_lion_matches_megatron_cores_lion():
+    """Megatron-Core 0.19's --optimizer lion / --muon-scalar-optimizer lion is
+    emerging_optimizers' Lion: ours is the same bitwise (same op order)."""
+    eo = pytest.importorskip("emerging_optimizers.scalar_optimizers.lion")
+    torch.manual_seed(0)
+    a = torch.randn(16, 8, requires_grad=True)
+    b = a.detach().clone().requires_grad_(True)
+    ours = Lion([a], lr=1e-2, betas=(0.95, 0.98), weight_decay=0.1)
+    theirs = eo.Lion([b], lr=1e-2, betas=(0.95, 0.98), weight_decay=0.1)
+    for _ in range(3):
+        g = torch.randn(16, 8)
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    assert torch.equal(a, b)
+    assert torch.equal(ours.state[a]["exp_avg"], theirs.state[b]["exp_avg"])
+
+
+def _checkpoint_keys(path: str) -> set:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_lion_subset_equals_reference_and_resumes_exactly():
+    """DP2 dmuon with Lion for the non-matrix parameters: bitwise equal to single-process
+    Lion after 4 steps, and a run saved at step 2 and resumed (fresh model and optimizer)
+    bitwise equal to the uninterrupted one; the checkpoint holds Lion's exp_avg only."""
+    d = tempfile.mkdtemp(prefix="lion_ckpt_")
+    variants = [dict(steps=STEPS),
+                dict(steps=SAVE_AT, checkpoint=dict(save=d, save_at=SAVE_AT)),
+                dict(steps=STEPS, checkpoint=dict(load=d))]
+    straight, half, resumed = run_ranks(
+        "megatron_muon.testing.workers:train_variants", 2,
+        dict(variants=variants, optimizer="dmuon", opt=LION, cfg=CFG), timeout=540)[0]
+    ref = run_ranks("megatron_muon.testing.reference:reference_train", 1,
+                    dict(cfg={"num_microbatches": 2}, dp_size=1, steps=STEPS, opt=LION,
+                         muon=False), timeout=300)[0]
+    assert set(straight["params"]) == set(ref["params"])
+    for name, p in ref["params"].items():
+        assert torch.equal(straight["params"][name], p), name
+        assert torch.equal(resumed["params"][name], p), name
+        # not vacuous: Lion moves an element with c != 0 by about lr per step (sign steps)
+        assert (p - half["params"][name]).abs().max() > LION["lr"], name
+    keys = _checkpoint_keys(f"{d}/iter_{SAVE_AT:07d}")
+    assert any(".optimizer.state.exp_avg." in k for k in keys), sorted(keys)[:20]
+    assert not any("exp_avg_sq" in k for k in keys)
