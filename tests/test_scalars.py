@@ -103,3 +103,53 @@ def test_lion_subset_equals_reference_and_resumes_exactly():
     keys = _checkpoint_keys(f"{d}/iter_{SAVE_AT:07d}")
     assert any(".optimizer.state.exp_avg." in k for k in keys), sorted(keys)[:20]
     assert not any("exp_avg_sq" in k for k in keys)
+
+
+# ---- QK-clip with dmuon ------------------------------------------------------------------
+# The tiny GPT's initial max attention logit is 0.094 (reference run, seed 1234); with a
+# threshold of 0.05 every step clips.
+QK = {"qk_clip": True, "qk_clip_threshold": 0.05, "qk_clip_alpha": 0.5}
+QK_OPT = dict(muon_fp32_matmul_prec="highest", muon_nesterov=True, lr=2e-3, adam_eps=1e-3)
+ZERO3_DDP = dict(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=20000)
+PLACEMENTS = {"dmuon": ({}, None), "matrix": (dict(dmuon_placement="matrix"), None),
+              "zero3": (dict(dmuon_placement="matrix", dmuon_zero3=True), ZERO3_DDP)}
+QK_STEPS = 3
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_qk_clip_with_dmuon_equals_reference_and_stays_clipped():
+    """Muon + QK-clip at DP2 in the three placements against the single-process reference
+    (fp32), and in bf16 with lr = 0: two steps whose only change is the clip, after which
+    the max logit of the last batch, recomputed with the published weights, is under the
+    threshold.  bf16 keeps separate fp32 main-param shards: had the rescale reached only the
+    model weights, the second step's main -> model copy would undo the first clip."""
+    variants = []
+    for opt, ddp in PLACEMENTS.values():
+        v = dict(opt={**QK_OPT, **opt}, steps=QK_STEPS, cfg={"extra": QK})
+        variants.append(dict(v, ddp=ddp) if ddp else v)
+    for opt, ddp in PLACEMENTS.values():
+        v = dict(opt={**QK_OPT, **opt, "lr": 0.0, "bf16": True}, steps=2,
+                 cfg={"extra": QK, "bf16": True}, recheck_max_logit=True)
+        variants.append(dict(v, ddp=ddp) if ddp else v)
+    per_rank = run_ranks("megatron_muon.testing.workers:train_variants", 2,
+                         dict(variants=variants, optimizer="dmuon", cfg=CFG), timeout=540)
+    ref = run_ranks("megatron_muon.testing.reference:reference_train", 1,
+                    dict(cfg={"num_microbatches": 2, "extra": QK}, dp_size=1, steps=QK_STEPS,
+                         opt=QK_OPT), timeout=300)[0]
+    assert all(m > QK["qk_clip_threshold"] for m in ref["max_logits"])  # every step clipped
+    n = len(PLACEMENTS)
+    for name, run in zip(PLACEMENTS, per_rank[0][:n]):
+        assert run["max_logits"] == pytest.approx(ref["max_logits"], rel=1e-5), name
+        for key, p in ref["params"].items():
+            # fp32 with the same gradients bitwise (see the module docstring); Newton-Schulz
+            # on the owner is batched, so Muon matrices may differ by its rounding: an fp32
+            # ulp or two of the update, lr sqrt(128) 1.2 x 2^-22 = 1.4e-8 per step.
+            atol = QK_STEPS * QK_OPT["lr"] * 128 ** 0.5 * 1.2 * 2.0 ** -22
+            assert torch.allclose(run["params"][key], p, rtol=0, atol=atol), (name, key)
+    for name, run in zip(PLACEMENTS, per_rank[0][n:]):
+        # unclipped, the logit would be about 0.094, 1.9x the threshold; the clipped bf16
+        # weights round each q, k element by <= 2^-8 relative (twice: weight, then output),
+        # so the logit moves by <= 4 x 2^-8 of sum |q_i k_i|, which here is within a few
+        # times |q . k|: 2^-4 of slack.
+        assert run["max_logit_after"] <= QK["qk_clip_threshold"] * (1 + 2.0 ** -4), name

@@ -102,6 +102,9 @@ def build_dmuon_optimizer(config, model_chunks, config_overrides=None,
     for opt in muon_opts:
         opt.publish_params = False
     chained = ChainedOptimizer(muon_opts + adam_opts)
+    from megatron_muon.megatron.qk_clip import install_max_logit_recorders
+
+    install_max_logit_recorders(model_chunks)  # QK-clip on local attention: megatron/qk_clip.py
     if config.dmuon_trace_dir:
         import atexit
 

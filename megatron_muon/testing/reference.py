@@ -73,7 +73,12 @@ def reference_train(cfg: dict, dp_size: int, steps: int = 3, opt: Optional[dict]
                          scale_mode=o.muon_scale_mode, extra_scale_factor=o.muon_extra_scale_factor,
                          units=units, ns_method=ns_method(o),
                          ns_dtype=torch.bfloat16 if o.muon_fp32_matmul_prec == "medium" else None))
-    losses = []
+    qk_clip = bool(gcfg.extra.get("qk_clip"))
+    if qk_clip:
+        from megatron_muon.megatron.qk_clip import clip_qk, install_max_logit_recorders
+
+        install_max_logit_recorders(model)
+    losses, max_logits = [], []
     m = gcfg.num_microbatches * dp_size
     for step in range(steps):
         for p in named.values():
@@ -85,4 +90,6 @@ def reference_train(cfg: dict, dp_size: int, steps: int = 3, opt: Optional[dict]
             torch.nn.utils.clip_grad_norm_(params, o.clip_grad)
         for opt_ in opts:
             opt_.step()
-    return dict(losses=losses, params=full_named_params(model))
+        if qk_clip:  # after the step, as Megatron; no main params here
+            max_logits.append(clip_qk(model, None))
+    return dict(losses=losses, params=full_named_params(model), max_logits=max_logits)
