@@ -174,3 +174,30 @@ def test_every_flag_field_carries_type_default_help_and_flag():
             assert f.default in choices_of(f), f.name
     assert choices_of(next(f for f in cli_fields() if f.name == "dmuon_overlap")) == (
         "auto", "on", "off")
+
+
+def test_megatron_flags_table_lists_every_megatron_muon_field():
+    """docs/megatron_flags.md cannot go stale: every Muon field of the installed
+    megatron-core (OptimizerConfig: muon_*, adaptive_muon_*, lion_*; TransformerConfig:
+    qk_clip*, log_max_attention_logit) and every muon_* / lion_* field of
+    DMuonOptimizerConfig has a row (its name in backticks in the first column)."""
+    import re
+    from dataclasses import fields
+    from pathlib import Path
+
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_muon import DMuonOptimizerConfig
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "megatron_flags.md").read_text()
+    rows = set()
+    for line in text.splitlines():
+        if line.startswith("| `"):
+            rows.update(re.findall(r"`([a-z0-9_]+)`", line.split("|")[1]))
+    wanted = {f.name for c in (OptimizerConfig, DMuonOptimizerConfig) for f in fields(c)
+              if f.name.startswith(("muon_", "adaptive_muon_", "lion_"))}
+    wanted |= {f.name for f in fields(TransformerConfig)
+               if f.name.startswith("qk_clip") or f.name == "log_max_attention_logit"}
+    assert wanted, "no Muon fields found: the prefixes are wrong"
+    assert not wanted - rows, f"docs/megatron_flags.md lacks rows for {sorted(wanted - rows)}"
