@@ -624,3 +624,23 @@ def test_megatron_lm_flags_are_reused_not_duplicated():
     assert a.optimizer == "dmuon" and a.muon_momentum == 0.9 and a.dmuon_check_finite
     assert a.muon_fp32_matmul_prec == "highest"
     assert p.parse_args(["--optimizer", "muon_naive"]).optimizer == "muon_naive"
+
+
+def test_megatron_lm_muon_tp_mode_counts_only_when_given():
+    """Megatron-LM's --muon-tp-mode defaults to blockwise; reused for dmuon it maps onto
+    --dmuon-tp-mode only when given (else dmuon stays exact)."""
+    from megatron_muon.megatron.arguments import add_dmuon_args, dmuon_config_from_args
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--optimizer", default="adam", choices=["adam", "muon"])
+    p.add_argument("--use-distributed-optimizer", action="store_true")
+    p.add_argument("--muon-tp-mode", type=str, default="blockwise",
+                   choices=["blockwise", "duplicated", "distributed"])
+    add_dmuon_args(p)
+    base = ["--optimizer", "dmuon", "--use-distributed-optimizer"]
+    for argv, mode in (([], "exact"), (["--muon-tp-mode", "blockwise"], "blockwise"),
+                       (["--muon-tp-mode", "distributed"], "exact"),
+                       (["--dmuon-tp-mode", "blockwise"], "blockwise")):
+        args = p.parse_args(base + argv)
+        assert dmuon_config_from_args(args).dmuon_tp_mode == mode, argv
+    assert p.parse_args([]).muon_tp_mode == "blockwise"  # Megatron's own default is kept

@@ -1,5 +1,7 @@
 """Megatron's Muon extras under dmuon: Lion for the non-matrix parameters
-(``muon_scalar_optimizer='lion'``) against a single-process Lion, with checkpoint resume.
+(``muon_scalar_optimizer='lion'``) against a single-process Lion, with checkpoint resume,
+and QK-clip against single-process Muon + QK-clip.  All distributed runs share one 2-rank
+launch and all references one 1-rank launch (CI time).
 
 Exactness.  Lion's update is lr * sign(c), so any rounding difference in a gradient can flip
 a sign and move a parameter by 2 lr: a tolerance would have to be 2 lr and would test
@@ -14,6 +16,7 @@ and that difference would reach the Lion parameters through the next step's grad
 """
 
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,7 +51,6 @@ def test_lion_update_is_the_papers_update():
     assert torch.allclose(m, ref_m, rtol=0, atol=1e-14)
     # a weight-decay-free step of a zero gradient and zero state leaves p alone (sign(0) = 0)
     q = torch.ones(3)
-    Lion([q], lr=1.0, weight_decay=0.0).step() if q.grad is not None else None
     q.grad = torch.zeros(3)
     Lion([q], lr=1.0, weight_decay=0.0).step()
     assert torch.equal(q, torch.ones(3))
@@ -72,39 +74,6 @@ def test_lion_matches_megatron_cores_lion():
     assert torch.equal(ours.state[a]["exp_avg"], theirs.state[b]["exp_avg"])
 
 
-def _checkpoint_keys(path: str) -> set:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    return set(FileSystemReader(path).read_metadata().state_dict_metadata)
-
-
-@pytest.mark.distributed
-@pytest.mark.timeout(600)
-def test_lion_subset_equals_reference_and_resumes_exactly():
-    """DP2 dmuon with Lion for the non-matrix parameters: bitwise equal to single-process
-    Lion after 4 steps, and a run saved at step 2 and resumed (fresh model and optimizer)
-    bitwise equal to the uninterrupted one; the checkpoint holds Lion's exp_avg only."""
-    d = tempfile.mkdtemp(prefix="lion_ckpt_")
-    variants = [dict(steps=STEPS),
-                dict(steps=SAVE_AT, checkpoint=dict(save=d, save_at=SAVE_AT)),
-                dict(steps=STEPS, checkpoint=dict(load=d))]
-    straight, half, resumed = run_ranks(
-        "megatron_muon.testing.workers:train_variants", 2,
-        dict(variants=variants, optimizer="dmuon", opt=LION, cfg=CFG), timeout=540)[0]
-    ref = run_ranks("megatron_muon.testing.reference:reference_train", 1,
-                    dict(cfg={"num_microbatches": 2}, dp_size=1, steps=STEPS, opt=LION,
-                         muon=False), timeout=300)[0]
-    assert set(straight["params"]) == set(ref["params"])
-    for name, p in ref["params"].items():
-        assert torch.equal(straight["params"][name], p), name
-        assert torch.equal(resumed["params"][name], p), name
-        # not vacuous: Lion moves an element with c != 0 by about lr per step (sign steps)
-        assert (p - half["params"][name]).abs().max() > LION["lr"], name
-    keys = _checkpoint_keys(f"{d}/iter_{SAVE_AT:07d}")
-    assert any(".optimizer.state.exp_avg." in k for k in keys), sorted(keys)[:20]
-    assert not any("exp_avg_sq" in k for k in keys)
-
-
 # ---- QK-clip with dmuon ------------------------------------------------------------------
 # The tiny GPT's initial max attention logit is 0.094 (reference run, seed 1234); with a
 # threshold of 0.05 every step clips.
@@ -116,30 +85,76 @@ PLACEMENTS = {"dmuon": ({}, None), "matrix": (dict(dmuon_placement="matrix"), No
 QK_STEPS = 3
 
 
+def _variant(opt, ddp=None, **kw):
+    return dict(kw, opt=opt, ddp=ddp) if ddp else dict(kw, opt=opt)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """{name: rank 0's result} of every distributed run, plus the references."""
+    d = tempfile.mkdtemp(prefix="lion_ckpt_")
+    named = {"lion": _variant(LION, steps=STEPS, cfg=CFG),
+             "lion_half": _variant(LION, steps=SAVE_AT, cfg=CFG,
+                                   checkpoint=dict(save=d, save_at=SAVE_AT)),
+             "lion_resumed": _variant(LION, steps=STEPS, cfg=CFG, checkpoint=dict(load=d))}
+    for name, (opt, ddp) in PLACEMENTS.items():
+        named[f"qk_{name}"] = _variant({**QK_OPT, **opt}, ddp, steps=QK_STEPS,
+                                       cfg={**CFG, "extra": QK})
+        named[f"qk_bf16_{name}"] = _variant({**QK_OPT, **opt, "lr": 0.0, "bf16": True}, ddp,
+                                            steps=2, cfg={**CFG, "extra": QK, "bf16": True},
+                                            recheck_max_logit=True)
+    results = run_ranks("megatron_muon.testing.workers:train_variants", 2,
+                        dict(variants=list(named.values()), optimizer="dmuon"), timeout=840)[0]
+    out = dict(zip(named, results))
+    ref2 = {"num_microbatches": 2}
+    out["ref_lion"], out["ref_qk"] = run_ranks(
+        "megatron_muon.testing.reference:reference_variants", 1, dict(variants=[
+            dict(cfg=ref2, dp_size=1, steps=STEPS, opt=LION, muon=False),
+            dict(cfg={**ref2, "extra": QK}, dp_size=1, steps=QK_STEPS, opt=QK_OPT)]),
+        timeout=300)[0]
+    out["ckpt"] = d
+    return out
+
+
+def _checkpoint_keys(path: str) -> set:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
 @pytest.mark.distributed
-@pytest.mark.timeout(600)
-def test_qk_clip_with_dmuon_equals_reference_and_stays_clipped():
+@pytest.mark.timeout(1200)
+def test_lion_subset_equals_reference_and_resumes_exactly(runs):
+    """DP2 dmuon with Lion for the non-matrix parameters: bitwise equal to single-process
+    Lion after 4 steps, and a run saved at step 2 and resumed (fresh model and optimizer)
+    bitwise equal to the uninterrupted one; the checkpoint holds Lion's exp_avg only."""
+    ref, straight, half, resumed = (runs[k] for k in ("ref_lion", "lion", "lion_half",
+                                                       "lion_resumed"))
+    assert set(straight["params"]) == set(ref["params"])
+    for name, p in ref["params"].items():
+        assert torch.equal(straight["params"][name], p), name
+        assert torch.equal(resumed["params"][name], p), name
+        # not vacuous: Lion moves an element with c != 0 by about lr per step (sign steps)
+        assert (p - half["params"][name]).abs().max() > LION["lr"], name
+    keys = _checkpoint_keys(str(Path(runs["ckpt"]) / f"iter_{SAVE_AT:07d}"))
+    assert any(".optimizer.state.exp_avg." in k for k in keys), sorted(keys)[:20]
+    assert not any("exp_avg_sq" in k for k in keys)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(1200)
+def test_qk_clip_with_dmuon_equals_reference_and_stays_clipped(runs):
     """Muon + QK-clip at DP2 in the three placements against the single-process reference
     (fp32), and in bf16 with lr = 0: two steps whose only change is the clip, after which
     the max logit of the last batch, recomputed with the published weights, is under the
     threshold.  bf16 keeps separate fp32 main-param shards: had the rescale reached only the
-    model weights, the second step's main -> model copy would undo the first clip."""
-    variants = []
-    for opt, ddp in PLACEMENTS.values():
-        v = dict(opt={**QK_OPT, **opt}, steps=QK_STEPS, cfg={"extra": QK})
-        variants.append(dict(v, ddp=ddp) if ddp else v)
-    for opt, ddp in PLACEMENTS.values():
-        v = dict(opt={**QK_OPT, **opt, "lr": 0.0, "bf16": True}, steps=2,
-                 cfg={"extra": QK, "bf16": True}, recheck_max_logit=True)
-        variants.append(dict(v, ddp=ddp) if ddp else v)
-    per_rank = run_ranks("megatron_muon.testing.workers:train_variants", 2,
-                         dict(variants=variants, optimizer="dmuon", cfg=CFG), timeout=540)
-    ref = run_ranks("megatron_muon.testing.reference:reference_train", 1,
-                    dict(cfg={"num_microbatches": 2, "extra": QK}, dp_size=1, steps=QK_STEPS,
-                         opt=QK_OPT), timeout=300)[0]
+    model weights, the second step's main -> model copy would undo the first clip (the max
+    logit would stay about 0.092)."""
+    ref = runs["ref_qk"]
     assert all(m > QK["qk_clip_threshold"] for m in ref["max_logits"])  # every step clipped
-    n = len(PLACEMENTS)
-    for name, run in zip(PLACEMENTS, per_rank[0][:n]):
+    for name in PLACEMENTS:
+        run = runs[f"qk_{name}"]
+        # max logits: the same up to the parameters' rounding differences (below), 1e-5 rel
         assert run["max_logits"] == pytest.approx(ref["max_logits"], rel=1e-5), name
         for key, p in ref["params"].items():
             # fp32 with the same gradients bitwise (see the module docstring); Newton-Schulz
@@ -147,8 +162,9 @@ def test_qk_clip_with_dmuon_equals_reference_and_stays_clipped():
             # ulp or two of the update, lr sqrt(128) 1.2 x 2^-22 = 1.4e-8 per step.
             atol = QK_STEPS * QK_OPT["lr"] * 128 ** 0.5 * 1.2 * 2.0 ** -22
             assert torch.allclose(run["params"][key], p, rtol=0, atol=atol), (name, key)
-    for name, run in zip(PLACEMENTS, per_rank[0][n:]):
-        # unclipped, the logit would be about 0.094, 1.9x the threshold; the clipped bf16
+    for name in PLACEMENTS:
+        run = runs[f"qk_bf16_{name}"]
+        # unclipped, the logit would be about 0.092, 1.8x the threshold; the clipped bf16
         # weights round each q, k element by <= 2^-8 relative (twice: weight, then output),
         # so the logit moves by <= 4 x 2^-8 of sum |q_i k_i|, which here is within a few
         # times |q . k|: 2^-4 of slack.

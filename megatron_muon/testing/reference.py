@@ -20,7 +20,7 @@ from megatron_muon.core.muon import Muon
 from megatron_muon.core.units import shard_units
 from megatron_muon.testing.gpt import TinyGPTConfig, build_gpt, full_named_params, init_parallel, train_step
 
-__all__ = ["reference_train"]
+__all__ = ["reference_train", "reference_variants"]
 
 
 def _blockwise(units, name: str, p, model, tp: int) -> list:
@@ -93,3 +93,8 @@ def reference_train(cfg: dict, dp_size: int, steps: int = 3, opt: Optional[dict]
         if qk_clip:  # after the step, as Megatron; no main params here
             max_logits.append(clip_qk(model, None))
     return dict(losses=losses, params=full_named_params(model), max_logits=max_logits)
+
+
+def reference_variants(variants: list) -> list:
+    """``reference_train(**v)`` for each v, in one process (saves a launch each)."""
+    return [reference_train(**v) for v in variants]
