@@ -74,6 +74,39 @@ def test_lion_matches_megatron_cores_lion():
     assert torch.equal(ours.state[a]["exp_avg"], theirs.state[b]["exp_avg"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_clip_maths_is_megatrons(dtype):
+    """core.qk_clip on a whole fused QKV weight and on flat DP-shard slices of it equals
+    Megatron-Core's own SelfAttention._clip_linear_qkv bitwise (GQA: 8 heads, 2 groups;
+    some groups above the threshold, some not)."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.attention import SelfAttention
+
+    from megatron_muon.core.qk_clip import qk_clip_eta, qkv_row_scales, scale_flat_rows
+
+    torch.manual_seed(0)
+    heads, groups, d, hidden, tau, alpha = 8, 2, 4, 16, 1.0, 0.3
+    w = torch.randn(groups * (heads // groups + 2) * d, hidden).to(dtype)
+    max_logits = torch.tensor([0.5, 3.0, 0.2, 0.9, 0.1, 0.4, 0.7, 0.95])  # group 1: <= tau
+    eta = qk_clip_eta(max_logits, groups, tau)
+    assert eta is not None and eta[0] < 1 and eta[1] == 1
+    megatron = SimpleNamespace(num_query_groups_per_partition=groups,
+                               query_projection_size=heads * d, kv_projection_size=groups * d,
+                               qk_clip_balancing_eta=eta.view(groups, 1, 1),
+                               config=SimpleNamespace(qk_clip_alpha=alpha))
+    expected = SelfAttention._clip_linear_qkv(megatron, w.clone())
+    scales = qkv_row_scales(eta, heads // groups, d, alpha)
+    whole = w.clone()
+    scale_flat_rows(whole.view(-1), scales, 0, hidden)
+    assert torch.equal(whole, expected)
+    flat = w.clone().view(-1)
+    for start, end in ((0, 37), (37, 200), (200, flat.numel())):  # shards cut mid-row
+        scale_flat_rows(flat[start:end], scales, start, hidden)
+    assert torch.equal(flat.view_as(w), expected)
+    assert qk_clip_eta(max_logits.clamp(max=tau), groups, tau) is None  # nothing to clip
+
+
 # ---- QK-clip with dmuon ------------------------------------------------------------------
 # The tiny GPT's initial max attention logit is 0.094 (reference run, seed 1234); with a
 # threshold of 0.05 every step clips.
