@@ -58,7 +58,7 @@ def test_lion_update_is_the_papers_update():
 
 def test_lion_matches_megatron_cores_lion():
     """Megatron-Core 0.19's --optimizer lion / --muon-scalar-optimizer lion is
-    emerging_optimizers' Lion: ours is the same bitwise (same op order)."""
+    emerging_optimizers' Lion: ours gives the same parameters bitwise (same op order)."""
     eo = pytest.importorskip("emerging_optimizers.scalar_optimizers.lion")
     torch.manual_seed(0)
     a = torch.randn(16, 8, requires_grad=True)
@@ -71,7 +71,12 @@ def test_lion_matches_megatron_cores_lion():
         ours.step()
         theirs.step()
     assert torch.equal(a, b)
-    assert torch.equal(ours.state[a]["exp_avg"], theirs.state[b]["exp_avg"])
+    # emerging_optimizers torch.compiles its update, which may fuse the state's lerp into
+    # one rounding where eager torch rounds twice: <= 1 fp32 ulp of |m| per step (older
+    # differences shrink by beta2 < 1), so 3 steps stay within 3 eps32 max |m|.
+    m_ours, m_theirs = ours.state[a]["exp_avg"], theirs.state[b]["exp_avg"]
+    atol = 3 * torch.finfo(torch.float32).eps * m_theirs.abs().max().item()
+    assert torch.allclose(m_ours, m_theirs, rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

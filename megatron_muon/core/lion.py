@@ -11,8 +11,9 @@ decoupled weight decay).  Per element, with gradient g and state m (``exp_avg``)
     m <- b2 m + (1 - b2) g               (in place, torch.lerp_)
 
 which is the paper's p <- p - lr (sign(c) + wd p) with the weight decay applied first.
-``lion_update`` keeps emerging_optimizers' op order, so the result is the same bitwise
-(checked in tests/test_scalars.py where emerging_optimizers is installed).  The update is
+``lion_update`` keeps emerging_optimizers' op order: the parameters come out the same
+bitwise and the state within an fp32 ulp per step (emerging_optimizers torch.compiles the
+update, which may fuse a rounding; checked in tests/test_scalars.py where it is installed).  The update is
 element-wise: a DP shard of a parameter updated with the shard of its gradient and state
 gives exactly the same values as the whole tensor.
 """
