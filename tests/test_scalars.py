@@ -120,7 +120,7 @@ QK_OPT = dict(muon_fp32_matmul_prec="highest", muon_nesterov=True, lr=2e-3, adam
 ZERO3_DDP = dict(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=20000)
 PLACEMENTS = {"dmuon": ({}, None), "matrix": (dict(dmuon_placement="matrix"), None),
               "zero3": (dict(dmuon_placement="matrix", dmuon_zero3=True), ZERO3_DDP)}
-QK_STEPS = 3
+QK_STEPS = 2
 
 
 def _variant(opt, ddp=None, **kw):
@@ -131,8 +131,7 @@ def _variant(opt, ddp=None, **kw):
 def runs():
     """{name: rank 0's result} of every distributed run, plus the references."""
     d = tempfile.mkdtemp(prefix="lion_ckpt_")
-    named = {"lion": _variant(LION, steps=STEPS, cfg=CFG),
-             "lion_half": _variant(LION, steps=SAVE_AT, cfg=CFG,
+    named = {"lion_half": _variant(LION, steps=SAVE_AT, cfg=CFG,
                                    checkpoint=dict(save=d, save_at=SAVE_AT)),
              "lion_resumed": _variant(LION, steps=STEPS, cfg=CFG, checkpoint=dict(load=d))}
     for name, (opt, ddp) in PLACEMENTS.items():
@@ -163,14 +162,14 @@ def _checkpoint_keys(path: str) -> set:
 @pytest.mark.distributed
 @pytest.mark.timeout(1200)
 def test_lion_subset_equals_reference_and_resumes_exactly(runs):
-    """DP2 dmuon with Lion for the non-matrix parameters: bitwise equal to single-process
-    Lion after 4 steps, and a run saved at step 2 and resumed (fresh model and optimizer)
-    bitwise equal to the uninterrupted one; the checkpoint holds Lion's exp_avg only."""
-    ref, straight, half, resumed = (runs[k] for k in ("ref_lion", "lion", "lion_half",
-                                                       "lion_resumed"))
-    assert set(straight["params"]) == set(ref["params"])
+    """DP2 dmuon with Lion for the non-matrix parameters, saved at step 2 and resumed
+    (fresh model and optimizer) to step 4: bitwise equal to 4 steps of single-process Lion;
+    the checkpoint holds Lion's exp_avg only."""
+    ref, half, resumed = (runs[k] for k in ("ref_lion", "lion_half", "lion_resumed"))
+    assert set(resumed["params"]) == set(ref["params"])
     for name, p in ref["params"].items():
-        assert torch.equal(straight["params"][name], p), name
+        # the resumed run (2 steps, save, fresh model and optimizer, load, 2 steps) equals
+        # the reference's 4 uninterrupted steps, hence also the uninterrupted dmuon run
         assert torch.equal(resumed["params"][name], p), name
         # not vacuous: Lion moves an element with c != 0 by about lr per step (sign steps)
         assert (p - half["params"][name]).abs().max() > LION["lr"], name
