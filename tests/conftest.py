@@ -4,6 +4,10 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+# run_ranks forks test ranks from this process instead of starting interpreters that each
+# import torch and Megatron again (megatron_muon/testing/launch.py); set it to 'spawn' to
+# start every rank fresh
+os.environ.setdefault("MEGATRON_MUON_RANK_START", "fork")
 
 
 @pytest.fixture(autouse=True)

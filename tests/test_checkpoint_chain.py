@@ -51,13 +51,13 @@ def segments(directory: str, layouts=None) -> list:
 def run_chains(names: list, layout: str, world: int = 4) -> dict:
     """{chain: (uninterrupted per-rank results, [segment per-rank results])}, one launch."""
     variants, index = [], {}
-    for name in names:
-        d = tempfile.mkdtemp(prefix=f"chain_{name}_{layout}_")
-        index[name] = len(variants)
-        for v in [dict(steps=STEPS)] + segments(d):
-            variants.append({**CHAINS[name], **LAYOUTS[layout], **v})
-    per_rank = run_ranks("megatron_muon.testing.workers:train_variants", world,
-                         dict(variants=variants), timeout=840)
+    with tempfile.TemporaryDirectory(prefix=f"chain_{layout}_") as root:
+        for name in names:
+            index[name] = len(variants)
+            for v in [dict(steps=STEPS)] + segments(f"{root}/{name}"):
+                variants.append({**CHAINS[name], **LAYOUTS[layout], **v})
+        per_rank = run_ranks("megatron_muon.testing.workers:train_variants", world,
+                             dict(variants=variants), timeout=840)
     out = {}
     for name, i in index.items():
         runs = [[r[j] for r in per_rank] for j in range(i, i + 4)]
@@ -105,7 +105,7 @@ def test_save_resume_save_resume_pipeline():
     assert_chain_equal(whole, segs)
 
 
-def test_chain_that_changes_layout_between_segments():
+def test_chain_that_changes_layout_between_segments(tmp_path):
     """DP4 -> TP2 x DP2 -> PP2 x DP2 for DMuon: the checkpoint reshards at each resume.
 
     Not bitwise: another layout sums the same gradients in another order (the DP
@@ -119,7 +119,7 @@ def test_chain_that_changes_layout_between_segments():
     values) that is 8e-6; the check is 1e-5, and that the runs did diverge from the
     initial parameters by far more.
     """
-    d = tempfile.mkdtemp(prefix="chain_layouts_")
+    d = str(tmp_path)
     layouts = [LAYOUTS["dp4"], LAYOUTS["tp2dp2"], LAYOUTS["pp2dp2"]]
     variants = [{**CHAINS["dmuon"], **LAYOUTS["dp4"], "steps": STEPS}]
     variants += [{**CHAINS["dmuon"], **v} for v in segments(d, layouts)]

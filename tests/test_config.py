@@ -164,7 +164,8 @@ def test_every_flag_field_carries_type_default_help_and_flag():
                                                flag_of)
 
     names = [f.name for f in cli_fields()]
-    own = [n for n in DMuonOptimizerConfig.__annotations__ if n.startswith(("muon_", "dmuon_"))]
+    own = [n for n in DMuonOptimizerConfig.__annotations__
+           if n.startswith(("muon_", "dmuon_", "adaptive_muon_"))]
     assert names == own  # every Muon / DMuon field is a flag, in declaration order
     for f in cli_fields():
         assert f.default is not dataclasses.MISSING and f.metadata["help"].strip(), f.name

@@ -5,7 +5,6 @@ process that takes all of them; parameters must agree after several steps.
 """
 
 import math
-import tempfile
 
 import pytest
 import torch
@@ -186,8 +185,8 @@ def test_global_clipping_matches_reference():
 
 # --------------------------------------------------------------------------- checkpoints
 @pytest.fixture(scope="module")
-def saved_dp4():
-    d = tempfile.mkdtemp(prefix="dmuon_ckpt_")
+def saved_dp4(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("dmuon_ckpt"))
     full = train("dp4", steps=4, checkpoint=dict(save=d, save_at=2))
     return d, merged_params(full), full
 
@@ -374,8 +373,8 @@ def test_zero3_memory_per_rank_is_near_even_sharding():
         assert m["grads"] <= 1.15 * m["model_grads"] / m["world"]
 
 
-def test_zero3_checkpoint_resumes_bitwise_and_reshards():
-    d = tempfile.mkdtemp(prefix="zero3_ckpt_")
+def test_zero3_checkpoint_resumes_bitwise_and_reshards(tmp_path):
+    d = str(tmp_path)
     full = merged_params(train("dp4", opt=ZERO3, ddp=ZERO3_DDP, steps=4,
                                checkpoint=dict(save=d, save_at=2)))
     same = merged_params(train("dp4", opt=ZERO3, ddp=ZERO3_DDP, steps=4,

@@ -237,15 +237,12 @@ def test_recipe_bad_flags_fail_fast():
 
 
 @pytest.mark.timeout(300)
-def test_lora_optimizer_save_resume_save_resume_equals_uninterrupted():
+def test_lora_optimizer_save_resume_save_resume_equals_uninterrupted(tmp_path):
     """The LoRA optimizers' lifecycle at TP2: two resumes (adapters via save_lora/load_lora,
     optimizer via state_dict), each from a fresh model and optimizer, equal 6 uninterrupted
     steps bit for bit (same layout: the same arithmetic in the same order)."""
-    import tempfile
-
-    d = tempfile.mkdtemp(prefix="lora_chain_")
     res = run_ranks("megatron_muon.testing.lora_workers:lora_resume_chain", 2,
-                    dict(cfg=CFG, directory=d, tp=2), timeout=280)
+                    dict(cfg=CFG, directory=str(tmp_path), tp=2), timeout=280)
     for r in res:
         for name, run in r.items():
             assert run["chain"] == run["whole"], name

@@ -5,6 +5,7 @@ docs/design.md#muon, written to be obviously correct rather than fast:
     M <- mu * M + G
     U <- G + mu * M   (nesterov)  |  U <- M
     O <- NS_k(U)      per unit (QKV blocks, experts, gate/up, or the whole matrix)
+    O <- moment2(O)   optional AdaMuon / NorMuon, per unit (core/moment2.py)
     W <- W * (1 - lr * wd) - lr * scale(unit) * O
 """
 
@@ -14,6 +15,8 @@ from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 
+from megatron_muon.core.moment2 import (check_moment2_hyperparameters, moment2_init,
+                                        moment2_normalize)
 from megatron_muon.core.newton_schulz import muon_scale, newton_schulz, resolve_coefficients, SCALE_MODES
 from megatron_muon.core.units import Unit, extract_unit, insert_unit, whole_units
 
@@ -86,14 +89,20 @@ def check_muon_hyperparameters(*, momentum: float, ns_steps: int, coefficient_ty
 def muon_update_direction(update: torch.Tensor, units: list[Unit], *, ns_steps: int,
                           coefficient_type, scale_mode: str, extra_scale_factor: float,
                           eps: float = 1e-7, ns_dtype: Optional[torch.dtype] = None,
-                          ns_method: str = "standard") -> torch.Tensor:
+                          ns_method: str = "standard", moment2: Optional[str] = None,
+                          moment2_states: Optional[list] = None, beta2: float = 0.95,
+                          moment2_eps: float = 1e-8) -> torch.Tensor:
     """scale(unit) * NS(unit) for every unit of a momentum-updated matrix, unit by unit
-    (``ns_method``: 'standard' or 'gram', see ``newton_schulz``)."""
+    (``ns_method``: 'standard' or 'gram', see ``newton_schulz``).  ``moment2``: 'adamuon' /
+    'normuon' normalise each unit's NS output before the scale, updating
+    ``moment2_states[i]`` (one per unit, ``moment2_init``) in place."""
     out = torch.empty_like(update, dtype=torch.float32)
-    for unit in units:
+    for i, unit in enumerate(units):
         u = extract_unit(update, unit).float()
         o = newton_schulz(u, steps=ns_steps, coefficients=coefficient_type, eps=eps,
                           dtype=ns_dtype or torch.float32, method=ns_method).float()
+        if moment2 is not None:
+            o = moment2_normalize(o, moment2_states[i], moment2, beta2, moment2_eps)
         m, n = unit.shape
         insert_unit(out, unit, o * muon_scale(m, n, scale_mode, extra_scale_factor))
     return out
@@ -113,6 +122,8 @@ class Muon(torch.optim.Optimizer):
             the whole matrix.
         ns_dtype: compute dtype of NS (default fp32; ``torch.bfloat16`` as most Muon codes).
         ns_method: 'standard' or 'gram' Newton-Schulz (``newton_schulz``'s ``method``).
+        moment2, beta2, moment2_eps: None (plain Muon), 'adamuon' or 'normuon' second moment
+            of each unit's NS output (``core/moment2.py``; Megatron's ``adaptive_muon_*``).
     """
 
     def __init__(self, params: Iterable, lr: float = 0.02, momentum: float = 0.95,
@@ -120,14 +131,17 @@ class Muon(torch.optim.Optimizer):
                  coefficient_type="simple", scale_mode: str = "spectral",
                  extra_scale_factor: float = 1.0, eps: float = 1e-7,
                  units: Optional[Mapping[torch.Tensor, list[Unit]]] = None,
-                 ns_dtype: Optional[torch.dtype] = None, ns_method: str = "standard"):
+                 ns_dtype: Optional[torch.dtype] = None, ns_method: str = "standard",
+                 moment2: Optional[str] = None, beta2: float = 0.95, moment2_eps: float = 1e-8):
         if lr < 0.0:
             raise ValueError(f"learning rate must be >= 0, got {lr}")
         if weight_decay < 0.0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         check_muon_hyperparameters(momentum=momentum, ns_steps=ns_steps,
                                    coefficient_type=coefficient_type, scale_mode=scale_mode)
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+        check_moment2_hyperparameters(moment2, beta2, moment2_eps)
+        self.moment2 = moment2
+        defaults = dict(beta2=beta2, moment2_eps=moment2_eps,lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                         ns_steps=ns_steps, coefficient_type=coefficient_type,
                         scale_mode=scale_mode, extra_scale_factor=extra_scale_factor, eps=eps,
                         ns_method=ns_method)
@@ -156,12 +170,18 @@ class Muon(torch.optim.Optimizer):
                     continue
                 g = p.grad.float()
                 check_finite_gradient(g, "Muon", "parameter")
-                update = momentum_step(self.state[p], g, group["momentum"], group["nesterov"])
+                st = self.state[p]
+                update = momentum_step(st, g, group["momentum"], group["nesterov"])
+                if self.moment2 is not None and "moment2" not in st:
+                    st["moment2"] = [moment2_init(*u.shape, self.moment2, g.device)
+                                     for u in self._units[p]]
                 direction = muon_update_direction(
                     update, self._units[p], ns_steps=group["ns_steps"],
                     coefficient_type=group["coefficient_type"], scale_mode=group["scale_mode"],
                     extra_scale_factor=group["extra_scale_factor"], eps=group["eps"],
-                    ns_dtype=self.ns_dtype, ns_method=group.get("ns_method", "standard"))
+                    ns_dtype=self.ns_dtype, ns_method=group.get("ns_method", "standard"),
+                    moment2=self.moment2, moment2_states=st.get("moment2"),
+                    beta2=group["beta2"], moment2_eps=group["moment2_eps"])
                 decoupled_update(p, direction.to(p.dtype), group["lr"],
                                  1.0 - group["lr"] * group["weight_decay"])
         return loss

@@ -176,6 +176,7 @@ class OwnerCentricNS:
         mine.sort(key=lambda t: (t[2].shape, t[0].key, t[1]))
         self.unit_offset: dict[str, int] = {}
         self.batches: list[tuple[int, int, int, int]] = []  # (offset, count, m, n)
+        self.batch_keys: list[list[str]] = []  # the unit keys of each batch, in order
         off = 0
         for mat, i, u in mine:
             self.unit_offset[mat.unit_key(i)] = off
@@ -183,8 +184,10 @@ class OwnerCentricNS:
             if self.batches and self.batches[-1][2:] == (m, n):
                 o, c, _, _ = self.batches[-1]
                 self.batches[-1] = (o, c + 1, m, n)
+                self.batch_keys[-1].append(mat.unit_key(i))
             else:
                 self.batches.append((off, 1, m, n))
+                self.batch_keys.append([mat.unit_key(i)])
             off += m * n
         self.owned_numel = off
         self.local_numel = local_numel if local_numel is not None else max(
@@ -285,20 +288,24 @@ class OwnerCentricNS:
         """Pieces of this bucket's units -> their owners' unit buffers."""
         return self._exchange(self.gather_tables[bucket], local, owned, "gather", async_op)
 
-    def orthogonalize(self, owned: torch.Tensor, out: Optional[torch.Tensor] = None
-                      ) -> torch.Tensor:
+    def orthogonalize(self, owned: torch.Tensor, out: Optional[torch.Tensor] = None,
+                      post: Optional[Callable] = None) -> torch.Tensor:
         """Batched NS (times the Muon scale) on this rank's units, one batch per shape.
 
         ``out``: where the results go (``owned`` itself is allowed: each batch reads only its
         own units before overwriting them); default a new buffer.  Each batch's NS workspace
-        is released before the next batch runs.
+        is released before the next batch runs.  ``post(keys, o)``: applied to each batch's
+        raw NS output ``o`` ([count, m, n], units ``keys``) before the scale, returns the
+        result (DMuon's AdaMuon / NorMuon second moment, which lives with the owner).
         """
         if out is None:
             out = torch.empty_like(owned)
-        for off, count, m, n in self.batches:
+        for (off, count, m, n), keys in zip(self.batches, self.batch_keys):
             x = owned[off: off + count * m * n].view(count, m, n)
             o = self.ns_fn(x, steps=self.ns_steps, coefficients=self.coefficients, eps=self.eps,
                            dtype=self.ns_dtype)
+            if post is not None:
+                o = post(keys, o.float())
             scale = muon_scale(m, n, self.scale_mode, self.extra_scale_factor)
             out[off: off + count * m * n].view(count, m, n).copy_(o).mul_(scale)
             del x, o
@@ -315,7 +322,26 @@ class OwnerCentricNS:
         for a, b, h, w, sa, sb in self.local_copy:
             _view(out, a, h, w, sa).copy_(_view(result, b, h, w, sb))
 
-    def run(self, local: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def to_owners(self, local: torch.Tensor) -> torch.Tensor:
+        """Every bucket's gather: this rank's flat pieces -> a new buffer of its owned units."""
+        owned = torch.zeros(self.owned_numel, dtype=torch.float32, device=local.device)
+        for b in self.gather_tables:
+            self.gather(local, b, owned)
+        return owned
+
+    def to_holders(self, result: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Every bucket's scatter (naive mode: the local copy): owned units -> ``out``, this
+        rank's flat pieces (zeroed first: elements no unit covers stay zero)."""
+        out.zero_()
+        if self.replicate:
+            self.keep_local(result, out)
+        else:
+            for b in self.scatter_tables:
+                self.scatter(result, b, out)
+        return out
+
+    def run(self, local: torch.Tensor, out: Optional[torch.Tensor] = None,
+            post: Optional[Callable] = None) -> torch.Tensor:
         """``local``: this rank's flat momentum-updated pieces -> its flat scaled NS pieces.
 
         ``out``: where the pieces go, default a new buffer.  ``out=local`` is allowed (the
@@ -325,20 +351,12 @@ class OwnerCentricNS:
         """
         if local.numel() != self.local_numel:
             raise ValueError(f"flat buffer has {local.numel()} elements, expected {self.local_numel}")
-        owned = torch.zeros(self.owned_numel, dtype=torch.float32, device=local.device)
         with span("dmuon.gather"):
-            for b in self.gather_tables:
-                self.gather(local, b, owned)
+            owned = self.to_owners(local)
         with span("dmuon.ns"):
-            result = self.orthogonalize(owned, out=owned)
+            result = self.orthogonalize(owned, out=owned, post=post)
         if out is None:
-            out = torch.zeros_like(local)
-        else:
-            out.zero_()  # as a new buffer: elements no unit covers stay zero
+            out = torch.empty_like(local)
         with span("dmuon.scatter"):
-            if self.replicate:
-                self.keep_local(result, out)
-            else:
-                for b in self.scatter_tables:
-                    self.scatter(result, b, out)
+            self.to_holders(result, out)
         return out

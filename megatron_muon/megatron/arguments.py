@@ -58,7 +58,8 @@ __all__ = [
 _MUON_OPTIMIZERS = MUON_OPTIMIZERS
 
 #: The destinations of the generated flags (the config field names), Muon then DMuon.
-MUON_ARGUMENTS = tuple(f.name for f in cli_fields() if f.name.startswith("muon_"))
+MUON_ARGUMENTS = tuple(f.name for f in cli_fields()
+                       if f.name.startswith(("muon_", "adaptive_muon_")))
 DMUON_ARGUMENTS = tuple(f.name for f in cli_fields() if f.name.startswith("dmuon_"))
 
 
@@ -228,7 +229,9 @@ def dmuon_config_from_args(args: Any, base_config: Any = None):
         for f in dataclasses.fields(base_config):
             if f.init and f.name in init_fields:
                 kwargs[f.name] = getattr(base_config, f.name)
-        from_args = [n for n in init_fields if n.startswith(("muon_", "dmuon_", "lion_"))]
+        # adaptive_muon_*: Megatron-LM 0.19 has the config fields but no flags; ours set them
+        from_args = [n for n in init_fields
+                     if n.startswith(("muon_", "dmuon_", "adaptive_muon_", "lion_"))]
     else:
         from_args = list(init_fields)
     for name in from_args:

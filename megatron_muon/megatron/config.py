@@ -29,6 +29,7 @@ from typing import Any, Callable, Literal, Optional, get_args, get_origin
 
 from megatron.core.optimizer import OptimizerConfig
 
+from megatron_muon.core.moment2 import MOMENT2_METHODS
 from megatron_muon.core.newton_schulz import COEFFICIENT_SETS, SCALE_MODES, resolve_coefficients
 
 __all__ = ["DMuonOptimizerConfig", "MUON_OPTIMIZERS", "NS_PRECISIONS", "PLACEMENTS", "TP_MODES",
@@ -48,6 +49,7 @@ TPMode = Literal["exact", "blockwise"]
 OverlapMode = Literal["auto", "on", "off"]
 ScalarOptimizer = Literal["adam", "lion"]
 MegatronTPMode = Literal["duplicated", "distributed", "blockwise"]
+Moment2Method = Literal[MOMENT2_METHODS]
 
 MUON_OPTIMIZERS = get_args(MuonOptimizer)
 OPTIMIZERS = MUON_OPTIMIZERS + ("adam", "sgd")
@@ -155,6 +157,18 @@ class DMuonOptimizerConfig(OptimizerConfig):
         "blockwise: on each TP rank's shard separately (Megatron's muon_tp_mode=blockwise), "
         "NOT TP-invariant (the update changes with the TP size).")
 
+    # --- adaptive second moments (docs/variants.md#adaptive-second-moments) ---
+    dmuon_moment2: Optional[Moment2Method] = setting(
+        None, "Second moment of each unit's orthogonalised update (Megatron's adaptive_muon): "
+        "adamuon (element-wise, like Adam) or normuon (one value per row, or per column of a "
+        "wide unit, then the unit's Frobenius norm restored); unset: plain Muon. The state "
+        "lives with the unit's owner; turns the DMuon overlap off.")
+    # Megatron-Core 0.19's names and defaults (0.16.1 lacks them; declared here for both)
+    adaptive_muon_beta2: float = setting(
+        0.95, "With --dmuon-moment2: decay rate of the second moment, in [0, 1).")
+    adaptive_muon_eps: float = setting(
+        1e-8, "With --dmuon-moment2: epsilon of the second moment (> 0).")
+
     # --- DMuon overlap (docs/design.md, "Overlap"); exact: a bitwise check decides ---
     dmuon_overlap: OverlapMode = setting(
         "auto", "Run DMuon's owner work (gather, Newton-Schulz, scatter launch) "
@@ -205,7 +219,8 @@ class DMuonOptimizerConfig(OptimizerConfig):
     def overlap_policy(self, pp_size: int) -> str:
         """``dmuon_overlap`` resolved for a stage of a ``pp_size``-stage pipeline: what the
         optimizer does, ``'on'``, ``'adaptive'`` or ``'off'`` (see ``resolve_overlap``)."""
-        return resolve_overlap(self.dmuon_overlap, self.dmuon_zero3, pp_size)
+        return resolve_overlap(self.dmuon_overlap, self.dmuon_zero3, pp_size,
+                               moment2=self.dmuon_moment2)
 
 
 # --------------------------------------------------------------------------- the flag table
@@ -239,7 +254,7 @@ def choices_of(f) -> Optional[tuple]:
     return get_args(tp) if get_origin(tp) is Literal else None
 
 
-def resolve_overlap(overlap: Any, zero3: bool, pp_size: int) -> str:
+def resolve_overlap(overlap: Any, zero3: bool, pp_size: int, moment2: Optional[str] = None) -> str:
     """The DMuon overlap policy: ``'on'`` (speculate every step), ``'adaptive'`` or ``'off'``.
 
     ``'auto'`` is ``'adaptive'`` with pipeline parallelism (``pp_size > 1``: the owner work
@@ -247,7 +262,9 @@ def resolve_overlap(overlap: Any, zero3: bool, pp_size: int) -> str:
     step) and ``'off'`` without it (DP/TP only: nothing to hide behind, the exact step runs
     without speculation) or with ZeRO-3; bools are accepted (True/False = on/off).
     ``'on'`` with ZeRO-3 is rejected (``check_dmuon_settings`` already does at construction;
-    this catches a field changed afterwards).
+    this catches a field changed afterwards).  With ``moment2`` (AdaMuon / NorMuon) the
+    owners' second-moment state would have to be rolled back after a redone speculation,
+    so ``'auto'`` is ``'off'`` and ``'on'`` is rejected.
     """
     mode = _overlap_mode(overlap)
     if mode not in OVERLAP_MODES:
@@ -256,8 +273,12 @@ def resolve_overlap(overlap: Any, zero3: bool, pp_size: int) -> str:
     if mode == "on" and zero3:
         raise ValueError("dmuon_overlap='on' does not work with dmuon_zero3=True (ZeRO-3's Muon "
                          "step has no data-parallel collective to hide): use 'auto' or 'off'")
+    if mode == "on" and moment2 is not None:
+        raise ValueError(f"dmuon_overlap='on' does not work with dmuon_moment2={moment2!r} (the "
+                         "owners' second moment cannot be rolled back after a redone "
+                         "speculation): use 'auto' (off with a second moment) or 'off'")
     if mode == "auto":
-        return "adaptive" if pp_size > 1 and not zero3 else "off"
+        return "adaptive" if pp_size > 1 and not zero3 and moment2 is None else "off"
     return mode
 
 
@@ -343,8 +364,8 @@ def check_dmuon_settings(get: Callable[[str], Any], *, cli: bool,
         if allowed is None or f.name in ("muon_coefficient_type", "muon_fp32_matmul_prec"):
             continue
         value = get(f.name)
-        if value is None and f.default is None:  # an Optional setting left unset
-            continue
+        if value is None and type(None) in get_args(f.type):
+            continue  # an unset Optional choice (dmuon_moment2: plain Muon)
         if f.name == "dmuon_overlap":
             value = _overlap_mode(value)
         if value not in allowed:
@@ -354,6 +375,22 @@ def check_dmuon_settings(get: Callable[[str], Any], *, cli: bool,
         fail(f"{s.both(('muon_ns_method', 'gram'), ('dmuon_ns_backend', 'triton'))}: there is "
              f"no Triton Gram kernel; use {s.set('dmuon_ns_backend', 'auto')} or "
              f"{s.set('muon_ns_method', 'standard')}")
+
+    moment2 = get("dmuon_moment2")
+    if moment2 is not None:
+        beta2, eps = get("adaptive_muon_beta2"), get("adaptive_muon_eps")
+        if isinstance(beta2, bool) or not isinstance(beta2, (int, float)) or \
+                not 0.0 <= beta2 < 1.0:
+            fail(f"{N('adaptive_muon_beta2')} must be in [0, 1), got {beta2}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or \
+                not math.isfinite(eps) or eps <= 0:
+            fail(f"{N('adaptive_muon_eps')} must be a finite number > 0, got {eps}")
+        if _overlap_mode(get("dmuon_overlap")) == "on":
+            fail(f"{s.set('dmuon_overlap', 'on')} does not work with "
+                 f"{s.set('dmuon_moment2', moment2)}: the owners' second moment cannot be "
+                 f"rolled back after a redone speculation; use "
+                 f"{s.set('dmuon_overlap', 'auto')} (off with a second moment) or "
+                 f"{s.set('dmuon_overlap', 'off')}")
 
     # --- DMuon ---
     slack = get("dmuon_locality_slack")

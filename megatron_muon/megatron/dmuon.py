@@ -29,6 +29,8 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 
 from megatron_muon.core.lion import LION_STATE_KEYS, Lion
+from megatron_muon.core.moment2 import (moment2_expand, moment2_init, moment2_normalize,
+                                        moment2_reduce)
 from megatron_muon.core.muon import decoupled_update, momentum_update
 from megatron_muon.distributed.owner_centric import OwnerCentricNS, Piece, ShardedMatrix
 from megatron_muon.core.plan import UnitTask, flops_cost, plan_owners
@@ -180,7 +182,8 @@ class ShardedMuonStep(torch.optim.Optimizer):
     """Inner optimizer of DMuon: momentum on the shards, NS on the owners, update on the shards."""
 
     def __init__(self, param_groups, engine: OwnerCentricNS, *, momentum: float, nesterov: bool,
-                 check_finite: bool, overlap: Optional[dict] = None):
+                 check_finite: bool, overlap: Optional[dict] = None,
+                 moment2: Optional[str] = None, beta2: float = 0.95, moment2_eps: float = 1e-8):
         # The shard main params are views (non-leaf for fp32 models), which torch's
         # add_param_group refuses; Megatron installs its groups the same direct way.
         super().__init__([torch.zeros(1, requires_grad=True)], dict(lr=0.0, weight_decay=0.0))
@@ -188,6 +191,13 @@ class ShardedMuonStep(torch.optim.Optimizer):
         self.momentum, self.nesterov, self.check_finite = momentum, nesterov, check_finite
         self.offsets, self.numel = flat_offsets(self.param_groups)
         self.engine = engine
+        # AdaMuon / NorMuon (docs/variants.md#adaptive-second-moments): {unit key: state}
+        # of the units this rank owns, updated on the owner between NS and the scatter.
+        self.moment2, self.beta2, self.moment2_eps = moment2, beta2, moment2_eps
+        self.moment2_state: dict = {}
+        if moment2 is not None and overlap is not None:
+            raise ValueError("DMuon: the overlap does not support dmuon_moment2; "
+                             "set dmuon_overlap='off'")
         # overlap: DMuonOverlap's keyword arguments (a DMuonView and its flags), or None
         self.overlap = None
         if overlap is not None:
@@ -234,12 +244,63 @@ class ShardedMuonStep(torch.optim.Optimizer):
                                            for g in self.param_groups for p in g["params"]})
             if self.overlap.deferred is not None:
                 return  # each bucket's update lands before its param all-gather
-        if out is None:
-            out = self.engine.run(flat, out=flat)  # U is not needed once gathered
+        if out is None:  # U is not needed once gathered
+            out = self.engine.run(flat, out=flat,
+                                  post=self._moment2_post if self.moment2 is not None else None)
         for group in self.param_groups:
             for p in group["params"]:
                 o = out[self.offsets[p]: self.offsets[p] + p.numel()].view_as(p)
                 self.apply_update(p, o, group["lr"], group["weight_decay"])
+
+    def _moment2_state_of(self, key: str, m: int, n: int) -> torch.Tensor:
+        st = self.moment2_state.get(key)
+        if st is None:
+            st = self.moment2_state[key] = moment2_init(m, n, self.moment2, self.engine.device)
+        return st
+
+    def _moment2_post(self, keys: list, o: torch.Tensor) -> torch.Tensor:
+        """The owner's second-moment step on one NS batch (``OwnerCentricNS``'s ``post``),
+        unit by unit as the reference does."""
+        m, n = o.shape[-2:]
+        for i, key in enumerate(keys):
+            o[i] = moment2_normalize(o[i], self._moment2_state_of(key, m, n), self.moment2,
+                                     self.beta2, self.moment2_eps)
+        return o
+
+    def moment2_to_shards(self) -> None:
+        """Checkpoint save/load: the owners' second moments, expanded to element shape
+        (``moment2_expand``), scattered to the holders as ``state[p]['moment2_buffer']`` (laid
+        out like the momentum), so the model-space format saves and reshards them."""
+        owned = torch.zeros(self.engine.owned_numel, dtype=torch.float32,
+                            device=self.engine.device)
+        for (off, count, m, n), keys in zip(self.engine.batches, self.engine.batch_keys):
+            for i, key in enumerate(keys):
+                owned[off + i * m * n: off + (i + 1) * m * n].view(m, n).copy_(
+                    moment2_expand(self._moment2_state_of(key, m, n), m, n))
+        flat = self.engine.to_holders(owned, torch.empty(self.numel, dtype=torch.float32,
+                                                         device=self.engine.device))
+        for group in self.param_groups:
+            for p in group["params"]:
+                o = self.offsets[p]
+                self.state[p]["moment2_buffer"] = flat[o: o + p.numel()].view_as(p)
+
+    def moment2_from_shards(self) -> None:
+        """Inverse of ``moment2_to_shards`` (after a load): gather each unit's element-shaped
+        state to its owner, reduce it to the unit's state, drop the shard buffers."""
+        flat = torch.zeros(self.numel, dtype=torch.float32, device=self.engine.device)
+        for group in self.param_groups:
+            for p in group["params"]:
+                o = self.offsets[p]
+                flat[o: o + p.numel()].copy_(self.state[p].pop("moment2_buffer").view(-1))
+        owned = self.engine.to_owners(flat)
+        for (off, count, m, n), keys in zip(self.engine.batches, self.engine.batch_keys):
+            for i, key in enumerate(keys):
+                self.moment2_state[key] = moment2_reduce(
+                    owned[off + i * m * n: off + (i + 1) * m * n].view(m, n), self.moment2)
+
+    def drop_moment2_shards(self) -> None:
+        for st in self.state.values():
+            st.pop("moment2_buffer", None)
 
     @staticmethod
     def apply_update(p: torch.Tensor, o: torch.Tensor, lr: float, wd: float) -> None:
@@ -280,6 +341,13 @@ class DMuonDistributedOptimizer(DMuonStateMixin, _SubsetMixin, DistributedOptimi
                                          local_numel=sum(p.numel() for p in offsets))
         overlap = None
         policy = muon_config.overlap_policy(self.groups.pp_size)  # 'auto': PP > 1, adaptive
+        moment2 = getattr(muon_config, "dmuon_moment2", None)
+        if moment2 is not None:
+            self.state_keys = ("momentum_buffer", "moment2_buffer")  # see state_dict.py
+            if self.groups.pp_size > 1 and dist.get_rank() == 0 and \
+                    muon_config.dmuon_overlap == "auto":
+                logger.info("DMuon: dmuon_moment2=%r turns the overlap off (dmuon_overlap "
+                            "'auto' would have used it with PP > 1)", moment2)
         if policy != "off":
             ddp = self.ddp_config
             param_update = muon_config.dmuon_overlap_param_update and not (
@@ -294,7 +362,9 @@ class DMuonDistributedOptimizer(DMuonStateMixin, _SubsetMixin, DistributedOptimi
         self.optimizer = ShardedMuonStep(
             param_groups, engine, momentum=muon_config.muon_momentum,
             nesterov=muon_config.muon_nesterov, check_finite=muon_config.dmuon_check_finite,
-            overlap=overlap)
+            overlap=overlap, moment2=moment2,
+            beta2=getattr(muon_config, "adaptive_muon_beta2", 0.95),
+            moment2_eps=getattr(muon_config, "adaptive_muon_eps", 1e-8))
         self.init_state_fn = lambda opt, config=None: opt.init_state()
 
     def _shard_geometry(self, offsets: dict) -> tuple:
@@ -348,6 +418,7 @@ class DMuonDistributedOptimizer(DMuonStateMixin, _SubsetMixin, DistributedOptimi
         eng = self.optimizer.engine
         state_bytes = sum(st["momentum_buffer"].numel() * 4 for st in self.optimizer.state.values()
                           if "momentum_buffer" in st)
+        state_bytes += sum(t.numel() * 4 for t in self.optimizer.moment2_state.values())
         overlap = self.optimizer.overlap
         return dict(comm=eng.stats.as_dict(), plan_imbalance=self.plan.imbalance,
                     plan_digest=self.plan.digest, owned_numel=eng.owned_numel,

@@ -194,27 +194,53 @@ class DMuonStateMixin(ModelSpaceStateMixin):
         if self.grad_scaler and "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         if param_state is not None:
+            moment2 = self.optimizer.moment2 is not None
+            if moment2:  # the shard buffers the load fills
+                self.optimizer.moment2_to_shards()
             self._load_model_space_state(param_state)
+            if moment2:
+                self.optimizer.moment2_from_shards()
 
     def sharded_state_dict(self, *args, **kwargs):
+        """DMuon's AdaMuon / NorMuon state lives with the unit owners; for the checkpoint it
+        is scattered to the holders in element shape (``ShardedMuonStep.moment2_to_shards``)
+        and saved as ``moment2_buffer`` next to the momentum, so it reshards like it."""
         self.finish_deferred()
-        return super().sharded_state_dict(*args, **kwargs)
+        moment2 = not self.is_stub_optimizer and self.optimizer.moment2 is not None
+        if moment2:
+            self.optimizer.moment2_to_shards()
+        try:
+            return super().sharded_state_dict(*args, **kwargs)
+        finally:
+            if moment2:
+                self.optimizer.drop_moment2_shards()
 
 
-class LionStateMixin(DMuonStateMixin):
-    """``state_dict`` / ``load_state_dict`` / ``sharded_state_dict`` of the Lion subset: the
-    same non-parameter state as DMuon (its inner optimizer also keeps no per-parameter
-    step) with Lion's ``exp_avg`` as the parameter state, plus the scalar optimizer's name."""
+class LionStateMixin(ModelSpaceStateMixin):
+    """``state_dict`` / ``load_state_dict`` / ``sharded_state_dict`` of the Lion subset:
+    non-parameter state as DMuon's (its inner optimizer keeps no per-parameter step), Lion's
+    ``exp_avg`` as the parameter state, plus the scalar optimizer's name."""
 
     state_keys = ("exp_avg",)
 
     def state_dict(self):
-        return {**super().state_dict(), SCALAR_OPTIMIZER_KEY: "lion"}
+        return {**self._group_state_dict(self.completed_steps), SCALAR_OPTIMIZER_KEY: "lion"}
 
     def load_state_dict(self, state_dict):
         check_scalar_optimizer(state_dict, "lion")
         state_dict = {k: v for k, v in state_dict.items() if k != SCALAR_OPTIMIZER_KEY}
-        super().load_state_dict(state_dict)
-
-    def finish_deferred(self) -> None:
-        """Nothing is deferred: Lion's step finishes inside ``step()``."""
+        state_dict, param_state = self._split_param_state(state_dict)
+        if self.is_stub_optimizer:
+            return
+        self.optimizer.init_state()
+        saved = state_dict["optimizer"]["param_groups"]
+        if len(saved) != len(self.optimizer.param_groups):
+            raise ValueError(f"checkpoint has {len(saved)} Lion param groups, this model "
+                             f"{len(self.optimizer.param_groups)}")
+        for group, sg in zip(self.optimizer.param_groups, saved):
+            group.update({k: v for k, v in sg.items() if k not in ("params", "step")})
+        self.completed_steps = int(saved[0].get("step", 0)) if saved else 0
+        if self.grad_scaler and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        if param_state is not None:
+            self._load_model_space_state(param_state)

@@ -71,7 +71,8 @@ def reference_train(cfg: dict, dp_size: int, steps: int = 3, opt: Optional[dict]
                          nesterov=o.muon_nesterov, weight_decay=o.weight_decay,
                          ns_steps=o.muon_num_ns_steps, coefficient_type=o.muon_coefficient_type,
                          scale_mode=o.muon_scale_mode, extra_scale_factor=o.muon_extra_scale_factor,
-                         units=units, ns_method=ns_method(o),
+                         units=units, ns_method=ns_method(o), moment2=o.dmuon_moment2,
+                         beta2=o.adaptive_muon_beta2, moment2_eps=o.adaptive_muon_eps,
                          ns_dtype=torch.bfloat16 if o.muon_fp32_matmul_prec == "medium" else None))
     qk_clip = bool(gcfg.extra.get("qk_clip"))
     if qk_clip:
