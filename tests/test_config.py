@@ -40,15 +40,31 @@ def test_bad_config_values(kwargs, match):
         cfg(**kwargs)
 
 
-def test_scalar_optimizer_other_than_adam_is_rejected():
-    from dataclasses import fields
+def test_scalar_optimizer_and_lion_settings():
+    c = cfg(muon_scalar_optimizer="lion")
+    assert (c.muon_scalar_optimizer, c.lion_beta1, c.lion_beta2) == ("lion", 0.95, 0.98)
+    with pytest.raises(ValueError, match="muon_scalar_optimizer 'sgd' is unknown; choose one "
+                                         "of adam, lion"):
+        cfg(muon_scalar_optimizer="sgd")
+    with pytest.raises(ValueError, match=r"lion_beta1 must be in \[0, 1\), got 1.0"):
+        cfg(muon_scalar_optimizer="lion", lion_beta1=1.0)
 
-    from megatron_muon import DMuonOptimizerConfig
 
-    if "muon_scalar_optimizer" not in {f.name for f in fields(DMuonOptimizerConfig)}:
-        pytest.skip("megatron-core < 0.19 has no muon_scalar_optimizer")
-    with pytest.raises(ValueError, match="muon_scalar_optimizer='lion' is not supported"):
-        cfg(muon_scalar_optimizer="lion")
+@pytest.mark.parametrize("megatron,dmuon,expected", [
+    (None, "exact", "exact"), (None, "blockwise", "blockwise"),
+    ("duplicated", "exact", "exact"), ("distributed", "exact", "exact"),
+    ("blockwise", "exact", "blockwise"), ("blockwise", "blockwise", "blockwise"),
+])
+def test_megatron_tp_mode_maps_onto_dmuon_tp_mode(megatron, dmuon, expected):
+    assert cfg(muon_tp_mode=megatron, dmuon_tp_mode=dmuon).dmuon_tp_mode == expected
+
+
+def test_megatron_tp_mode_errors():
+    with pytest.raises(ValueError, match="muon_tp_mode='duplicated' and dmuon_tp_mode="
+                                         "'blockwise' contradict each other"):
+        cfg(muon_tp_mode="duplicated", dmuon_tp_mode="blockwise")
+    with pytest.raises(ValueError, match="muon_tp_mode 'rowwise' is unknown"):
+        cfg(muon_tp_mode="rowwise")
 
 
 def test_megatron_names_and_defaults():
@@ -159,3 +175,30 @@ def test_every_flag_field_carries_type_default_help_and_flag():
             assert f.default in choices_of(f), f.name
     assert choices_of(next(f for f in cli_fields() if f.name == "dmuon_overlap")) == (
         "auto", "on", "off")
+
+
+def test_megatron_flags_table_lists_every_megatron_muon_field():
+    """docs/megatron_flags.md cannot go stale: every Muon field of the installed
+    megatron-core (OptimizerConfig: muon_*, adaptive_muon_*, lion_*; TransformerConfig:
+    qk_clip*, log_max_attention_logit) and every muon_* / lion_* field of
+    DMuonOptimizerConfig has a row (its name in backticks in the first column)."""
+    import re
+    from dataclasses import fields
+    from pathlib import Path
+
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_muon import DMuonOptimizerConfig
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "megatron_flags.md").read_text()
+    rows = set()
+    for line in text.splitlines():
+        if line.startswith("| `"):
+            rows.update(re.findall(r"`([a-z0-9_]+)`", line.split("|")[1]))
+    wanted = {f.name for c in (OptimizerConfig, DMuonOptimizerConfig) for f in fields(c)
+              if f.name.startswith(("muon_", "adaptive_muon_", "lion_"))}
+    wanted |= {f.name for f in fields(TransformerConfig)
+               if f.name.startswith("qk_clip") or f.name == "log_max_attention_logit"}
+    assert wanted, "no Muon fields found: the prefixes are wrong"
+    assert not wanted - rows, f"docs/megatron_flags.md lacks rows for {sorted(wanted - rows)}"

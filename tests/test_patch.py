@@ -206,7 +206,9 @@ for name, extra in json.loads(sys.argv[2]).items():
         cfg = dmuon_config_from_args(args, base)
         r["config"] = {"type": type(cfg).__name__, "lr": cfg.lr, "optimizer": cfg.optimizer,
                        "muon_nesterov": cfg.muon_nesterov, "plan": cfg.dmuon_plan_cost,
-                       "clip_grad": cfg.clip_grad}
+                       "clip_grad": cfg.clip_grad, "tp_mode": cfg.dmuon_tp_mode,
+                       "scalar": cfg.muon_scalar_optimizer,
+                       "lion": [cfg.lion_beta1, cfg.lion_beta2]}
     results[name] = r
 full = A.add_megatron_arguments(__import__("argparse").ArgumentParser())
 results["_groups"] = [g.title for g in full._action_groups]
@@ -234,7 +236,12 @@ CASES = {
     "bad_momentum": GOOD + ["--muon-momentum", "1.0"],
     "no_distopt": ["--optimizer", "dmuon", "--muon-nesterov"],
     "bad_prec": GOOD + ["--muon-fp32-matmul-prec", "low"],
-    "bad_scalar": GOOD + ["--muon-scalar-optimizer", "lion"],
+    "lion": GOOD + ["--muon-scalar-optimizer", "lion", "--lion-beta1", "0.9"],
+    "bad_lion": GOOD + ["--muon-scalar-optimizer", "lion", "--lion-beta2", "1.0"],
+    "tp_blockwise": GOOD + ["--muon-tp-mode", "blockwise"],
+    "tp_duplicated": GOOD + ["--muon-tp-mode", "duplicated"],
+    "tp_distributed": GOOD + ["--muon-tp-mode", "distributed"],
+    "tp_conflict": GOOD + ["--muon-tp-mode", "distributed", "--dmuon-tp-mode", "blockwise"],
     "bad_plan_choice": GOOD + ["--dmuon-plan-cost", "magic"],
     "bad_optimizer": ["--optimizer", "dmuonn", "--use-distributed-optimizer"],
     "zero3_no_overlap": GOOD + ["--dmuon-placement", "matrix", "--dmuon-zero3"],
@@ -266,7 +273,10 @@ def test_patched_parser_accepts_dmuon(parsed):
     assert good["dmuon_plan_cost"] == "tuner" and good["dmuon_split_fc1"] is True
     assert good["muon_momentum"] == 0.9  # Megatron-LM's own flag and default, not re-registered
     assert good["config"] == {"type": "DMuonOptimizerConfig", "lr": 1e-3, "optimizer": "dmuon",
-                              "muon_nesterov": True, "plan": "tuner", "clip_grad": 1.0}
+                              "muon_nesterov": True, "plan": "tuner", "clip_grad": 1.0,
+                              # Megatron-LM's --muon-tp-mode default (blockwise) is not a
+                              # choice for dmuon: only a given --muon-tp-mode counts
+                              "tp_mode": "exact", "scalar": "adam", "lion": [0.95, 0.98]}
     assert parsed["naive"]["status"] == "ok" and parsed["naive"]["layer_wise"] is False
     assert parsed["adam"]["status"] == "ok" and parsed["adam"]["use_distributed_optimizer"]
     assert "dmuon" in parsed["_groups"]
@@ -280,7 +290,9 @@ def test_patched_parser_accepts_dmuon(parsed):
     ("bad_momentum", "invalid", "--muon-momentum must be in [0, 1), got 1.0"),
     ("no_distopt", "invalid", "--optimizer dmuon needs --use-distributed-optimizer"),
     ("bad_prec", "invalid", "--muon-fp32-matmul-prec 'low' is not supported by dmuon"),
-    ("bad_scalar", "invalid", "--muon-scalar-optimizer lion is not supported"),
+    ("bad_lion", "invalid", "--lion-beta2 must be in [0, 1), got 1.0"),
+    ("tp_conflict", "invalid", "--muon-tp-mode distributed --dmuon-tp-mode blockwise "
+                               "contradict each other"),
     ("bad_plan_choice", "argparse", "argument --dmuon-plan-cost: invalid choice: 'magic'"),
     ("bad_optimizer", "argparse", "argument --optimizer: invalid choice: 'dmuonn'"),
     ("zero3_no_overlap", "invalid", "--dmuon-zero3 reduces gradients bucket by bucket"),
@@ -289,6 +301,21 @@ def test_patched_parser_accepts_dmuon(parsed):
 def test_patched_parser_rejects_bad_values(parsed, case, status, message):
     assert parsed[case]["status"] == status, parsed[case]
     assert message in parsed[case]["message"], parsed[case]["message"]
+
+
+@needs_training
+@pytest.mark.timeout(300)
+def test_patched_parser_maps_megatron_muon_flags(parsed):
+    """Megatron's --muon-scalar-optimizer / --lion-* and --muon-tp-mode carry over to dmuon:
+    lion with Megatron's betas; duplicated and distributed are DMuon's exact mode,
+    blockwise its (inexact) blockwise mode."""
+    lion = parsed["lion"]
+    assert lion["status"] == "ok", lion
+    assert lion["config"]["scalar"] == "lion" and lion["config"]["lion"] == [0.9, 0.98]
+    for case, mode in (("tp_blockwise", "blockwise"), ("tp_duplicated", "exact"),
+                       ("tp_distributed", "exact")):
+        assert parsed[case]["status"] == "ok", parsed[case]
+        assert parsed[case]["config"]["tp_mode"] == mode, case
 
 
 def _actions_table(parser):
@@ -597,3 +624,23 @@ def test_megatron_lm_flags_are_reused_not_duplicated():
     assert a.optimizer == "dmuon" and a.muon_momentum == 0.9 and a.dmuon_check_finite
     assert a.muon_fp32_matmul_prec == "highest"
     assert p.parse_args(["--optimizer", "muon_naive"]).optimizer == "muon_naive"
+
+
+def test_megatron_lm_muon_tp_mode_counts_only_when_given():
+    """Megatron-LM's --muon-tp-mode defaults to blockwise; reused for dmuon it maps onto
+    --dmuon-tp-mode only when given (else dmuon stays exact)."""
+    from megatron_muon.megatron.arguments import add_dmuon_args, dmuon_config_from_args
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--optimizer", default="adam", choices=["adam", "muon"])
+    p.add_argument("--use-distributed-optimizer", action="store_true")
+    p.add_argument("--muon-tp-mode", type=str, default="blockwise",
+                   choices=["blockwise", "duplicated", "distributed"])
+    add_dmuon_args(p)
+    base = ["--optimizer", "dmuon", "--use-distributed-optimizer"]
+    for argv, mode in (([], "exact"), (["--muon-tp-mode", "blockwise"], "blockwise"),
+                       (["--muon-tp-mode", "distributed"], "exact"),
+                       (["--dmuon-tp-mode", "blockwise"], "blockwise")):
+        args = p.parse_args(base + argv)
+        assert dmuon_config_from_args(args).dmuon_tp_mode == mode, argv
+    assert p.parse_args([]).muon_tp_mode == "blockwise"  # Megatron's own default is kept

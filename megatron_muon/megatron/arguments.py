@@ -29,9 +29,11 @@ Flags that Megatron-LM 0.19.2 defines and this module reuses (defaults there dif
 ``--muon-nesterov`` (no ``--no-`` form there; its default is off),
 ``--muon-num-ns-steps``, ``--muon-coefficient-type``, ``--muon-scale-mode``,
 ``--muon-extra-scale-factor``, ``--muon-fp32-matmul-prec`` (choices low/medium/high
-there), ``--muon-no-split-qkv``; ``--muon-tp-mode`` and ``--muon-scalar-optimizer`` are
-Megatron's own (DMuon is exact / TP-invariant unless ``--dmuon-tp-mode blockwise``, and
-always uses AdamW for non-matrix parameters).  New here: every ``--dmuon-*`` flag.
+there), ``--muon-no-split-qkv``, ``--muon-scalar-optimizer`` and ``--lion-beta1/2``
+(the optimizer of the non-matrix parameters), ``--muon-tp-mode`` (default ``blockwise``
+there: for dmuon it counts only when given on the command line, ``duplicated`` /
+``distributed`` -> ``--dmuon-tp-mode exact``, ``blockwise`` -> ``blockwise``).  New here:
+every ``--dmuon-*`` flag.  The whole table: docs/megatron_flags.md.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ __all__ = [
     "DMuonArgumentError",
     "MUON_ARGUMENTS",
     "DMUON_ARGUMENTS",
+    "megatron_tp_mode",
 ]
 
 _MUON_OPTIMIZERS = MUON_OPTIMIZERS
@@ -62,6 +65,28 @@ DMUON_ARGUMENTS = tuple(f.name for f in cli_fields() if f.name.startswith("dmuon
 
 class DMuonArgumentError(ValueError):
     """A bad ``--muon-*`` / ``--dmuon-*`` value; the message names the flag."""
+
+
+#: Set on the namespace by Megatron-LM's own ``--muon-tp-mode`` once ``add_dmuon_args`` has
+#: marked it: its default there is 'blockwise', which for dmuon must not override the exact
+#: ``--dmuon-tp-mode`` default unless the user asked for it.
+TP_MODE_GIVEN = "dmuon_muon_tp_mode_given"
+
+
+class _StoreMarkingGiven(argparse._StoreAction):
+    """Megatron-LM's ``--muon-tp-mode`` (a plain store), also recording that it was given."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        setattr(namespace, TP_MODE_GIVEN, True)
+
+
+def megatron_tp_mode(args: Any) -> Optional[str]:
+    """``args.muon_tp_mode`` if the user gave it (or a hand-made namespace sets it), else
+    None (Megatron-LM's parser default, which dmuon ignores)."""
+    if getattr(args, TP_MODE_GIVEN, True) is False:
+        return None
+    return getattr(args, "muon_tp_mode", None)
 
 
 class _Switch(argparse.Action):
@@ -149,6 +174,9 @@ def add_dmuon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if action is not None:
             if dest == "muon_fp32_matmul_prec":
                 _extend_choices(action, ["highest"])  # Megatron-LM: low/medium/high
+            if dest == "muon_tp_mode" and type(action) is argparse._StoreAction:
+                action.__class__ = _StoreMarkingGiven  # its default is not a choice for dmuon
+                parser.set_defaults(**{TP_MODE_GIVEN: False})
             skipped.add(dest)
             continue
         if group is None:
@@ -173,9 +201,14 @@ def validate_dmuon_args(args: Any, parser: Optional[argparse.ArgumentParser] = N
     if getattr(args, "optimizer", None) not in _MUON_OPTIMIZERS:
         return args
     defaults = config_defaults()  # a hand-made namespace may lack some flags
+
+    def get(name):
+        if name == "muon_tp_mode":
+            return megatron_tp_mode(args)
+        return getattr(args, name, defaults.get(name))
+
     try:
-        check_dmuon_settings(lambda name: getattr(args, name, defaults.get(name)), cli=True,
-                             error=DMuonArgumentError)
+        check_dmuon_settings(get, cli=True, error=DMuonArgumentError)
     except DMuonArgumentError as err:
         if parser is not None:
             parser.error(str(err))
@@ -197,12 +230,15 @@ def dmuon_config_from_args(args: Any, base_config: Any = None):
             if f.init and f.name in init_fields:
                 kwargs[f.name] = getattr(base_config, f.name)
         # adaptive_muon_*: Megatron-LM 0.19 has the config fields but no flags; ours set them
-        from_args = [n for n in init_fields if n.startswith(("muon_", "dmuon_", "adaptive_muon_"))]
+        from_args = [n for n in init_fields
+                     if n.startswith(("muon_", "dmuon_", "adaptive_muon_", "lion_"))]
     else:
         from_args = list(init_fields)
     for name in from_args:
         if hasattr(args, name):
             kwargs[name] = getattr(args, name)
+    if "muon_tp_mode" in kwargs:
+        kwargs["muon_tp_mode"] = megatron_tp_mode(args)
     kwargs["optimizer"] = getattr(args, "optimizer", kwargs.get("optimizer", "dmuon"))
     if "muon_use_nesterov" in init_fields and "muon_nesterov" in kwargs:
         kwargs["muon_use_nesterov"] = kwargs["muon_nesterov"]  # megatron-core 0.16 spelling

@@ -34,7 +34,7 @@ from megatron_muon.core.newton_schulz import COEFFICIENT_SETS, SCALE_MODES, reso
 
 __all__ = ["DMuonOptimizerConfig", "MUON_OPTIMIZERS", "NS_PRECISIONS", "PLACEMENTS", "TP_MODES",
            "OVERLAP_MODES", "setting", "cli_fields", "flag_of", "choices_of", "resolve_overlap",
-           "check_dmuon_settings"]
+           "check_dmuon_settings", "SCALAR_OPTIMIZERS", "MEGATRON_TP_MODES", "resolve_tp_mode"]
 
 MuonOptimizer = Literal["dmuon", "muon_naive"]
 # The names come from newton_schulz (the maths owns the tables); Literal takes a tuple.
@@ -47,6 +47,8 @@ NSBackend = Literal["auto", "torch", "triton"]
 Placement = Literal["dmuon", "matrix"]
 TPMode = Literal["exact", "blockwise"]
 OverlapMode = Literal["auto", "on", "off"]
+ScalarOptimizer = Literal["adam", "lion"]
+MegatronTPMode = Literal["duplicated", "distributed", "blockwise"]
 Moment2Method = Literal[MOMENT2_METHODS]
 
 MUON_OPTIMIZERS = get_args(MuonOptimizer)
@@ -55,6 +57,11 @@ NS_PRECISIONS = get_args(NSPrecision)
 PLACEMENTS = get_args(Placement)
 TP_MODES = get_args(TPMode)
 OVERLAP_MODES = get_args(OverlapMode)
+SCALAR_OPTIMIZERS = get_args(ScalarOptimizer)
+#: Megatron-Core's ``muon_tp_mode`` -> DMuon's ``dmuon_tp_mode``: Megatron's two exact modes
+#: (every TP shard sees the whole matrix) are DMuon's exact mode; 'blockwise' (NS per TP
+#: shard, not TP-invariant) is DMuon's blockwise mode.
+MEGATRON_TP_MODES = {"duplicated": "exact", "distributed": "exact", "blockwise": "blockwise"}
 _BASE_FIELDS = {f.name for f in fields(OptimizerConfig)}
 
 
@@ -184,6 +191,22 @@ class DMuonOptimizerConfig(OptimizerConfig):
         "forward/backward, grad reduce-scatter, DMuon gather/Newton-Schulz/scatter, param "
         "all-gather and optimizer step.", metavar="DIR")
 
+    # --- Megatron-Core's scalar optimizer and TP-mode fields (docs/megatron_flags.md) ---
+    # Megatron-Core 0.19 declares the first three itself (same names and defaults); on
+    # megatron-core versions without them they are added here, with their flags.
+    muon_scalar_optimizer: ScalarOptimizer = setting(
+        "adam", "Optimizer for the parameters Muon does not take (embeddings, output layer, "
+        "norms, biases): adam (AdamW, --adam-*) or lion (--lion-beta1/2).")
+    lion_beta1: float = setting(
+        0.95, "Lion: c = beta1 m + (1 - beta1) g gives the sign of the update.")
+    lion_beta2: float = setting(
+        0.98, "Lion: the state m <- beta2 m + (1 - beta2) g.")
+    # Megatron's default is 'blockwise'; here None means "not given": dmuon_tp_mode decides.
+    muon_tp_mode: Optional[MegatronTPMode] = setting(
+        None, "Megatron-Core's TP mode, mapped onto --dmuon-tp-mode: duplicated and "
+        "distributed = exact (TP-invariant), blockwise = blockwise (Newton-Schulz per TP "
+        "shard, inexact: the update changes with the TP size). Not given: --dmuon-tp-mode.")
+
     def __post_init__(self):
         if "muon_use_nesterov" in _BASE_FIELDS and getattr(self, "muon_use_nesterov", False):
             self.muon_nesterov = True  # 0.16.1 spelling
@@ -191,6 +214,7 @@ class DMuonOptimizerConfig(OptimizerConfig):
             self.dmuon_overlap = "on" if self.dmuon_overlap else "off"
         super().__post_init__()
         check_dmuon_settings(lambda name: getattr(self, name, None), cli=False)
+        self.dmuon_tp_mode = resolve_tp_mode(self.muon_tp_mode, self.dmuon_tp_mode)
 
     def overlap_policy(self, pp_size: int) -> str:
         """``dmuon_overlap`` resolved for a stage of a ``pp_size``-stage pipeline: what the
@@ -400,6 +424,17 @@ def check_dmuon_settings(get: Callable[[str], Any], *, cli: bool,
                 fail(f"{s.set('dmuon_zero3', True)} does not support {N(key)} yet (it reads "
                      "parameters a ZeRO-3 rank does not hold)")
 
+    # --- Megatron's scalar-optimizer and TP-mode settings ---
+    for key in ("lion_beta1", "lion_beta2"):
+        b = get(key)
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or
+                              not 0.0 <= b < 1.0):
+            fail(f"{N(key)} must be in [0, 1), got {b}")
+    try:
+        resolve_tp_mode(get("muon_tp_mode"), get("dmuon_tp_mode"), s)
+    except ValueError as err:
+        fail(str(err))
+
     # --- what a Muon optimizer needs from the rest of the setup ---
     if optimizer not in MUON_OPTIMIZERS:
         return
@@ -409,13 +444,27 @@ def check_dmuon_settings(get: Callable[[str], Any], *, cli: bool,
     if get("use_torch_fsdp2") or get("use_megatron_fsdp") or get("use_custom_fsdp"):
         fail(f"{s.set('optimizer', optimizer)} runs on Megatron DDP with the distributed "
              f"optimizer; it does not support {N('use_torch_fsdp2')} / {N('use_megatron_fsdp')}")
-    scalar = get("muon_scalar_optimizer")
-    if scalar not in (None, "adam"):
-        fail(f"{s.set('optimizer', optimizer)} uses AdamW for non-matrix parameters; "
-             f"{s.set('muon_scalar_optimizer', scalar)} is not supported")
     if (get("context_parallel_size") or 1) > 1:
         fail(f"{s.set('optimizer', optimizer)} does not support "
              f"{N('context_parallel_size')} > 1 yet")
+
+
+def resolve_tp_mode(muon_tp_mode: Optional[str], dmuon_tp_mode: str,
+                    spelling: Optional[_Spelling] = None) -> str:
+    """DMuon's TP mode given Megatron's ``muon_tp_mode`` (None: not given) and
+    ``dmuon_tp_mode`` (``MEGATRON_TP_MODES``); contradicting values are an error."""
+    if muon_tp_mode is None:
+        return dmuon_tp_mode
+    if muon_tp_mode not in MEGATRON_TP_MODES:
+        raise ValueError(f"{(spelling or _Spelling(False)).name('muon_tp_mode')} "
+                         f"{muon_tp_mode!r} is unknown; choose one of "
+                         f"{', '.join(MEGATRON_TP_MODES)}")
+    mapped = MEGATRON_TP_MODES[muon_tp_mode]
+    if dmuon_tp_mode == "blockwise" and mapped == "exact":
+        s = spelling or _Spelling(False)
+        raise ValueError(f"{s.both(('muon_tp_mode', muon_tp_mode), ('dmuon_tp_mode', 'blockwise'))}"
+                         f" contradict each other: {muon_tp_mode} is DMuon's exact mode; drop one")
+    return mapped
 
 
 def config_defaults() -> dict:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 
+from megatron_muon.core.lion import LION_STATE_KEYS, Lion
 from megatron_muon.core.moment2 import (moment2_expand, moment2_init, moment2_normalize,
                                         moment2_reduce)
 from megatron_muon.core.muon import decoupled_update, momentum_update
@@ -35,11 +36,11 @@ from megatron_muon.distributed.owner_centric import OwnerCentricNS, Piece, Shard
 from megatron_muon.core.plan import UnitTask, flops_cost, plan_owners
 from megatron_muon.megatron import compat
 from megatron_muon.megatron.params import full_shape, muon_units, tp_partition_dim
-from megatron_muon.megatron.state_dict import AdamStateMixin, DMuonStateMixin
+from megatron_muon.megatron.state_dict import AdamStateMixin, DMuonStateMixin, LionStateMixin
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DMuonDistributedOptimizer", "SubsetDistributedOptimizer", "ShardedMuonStep", "DMuonView", "flat_offsets", "exchange_group", "sharded_matrices", "build_engine"]
+__all__ = ["DMuonDistributedOptimizer", "SubsetDistributedOptimizer", "LionSubsetDistributedOptimizer", "ShardedMuonStep", "DMuonView", "flat_offsets", "exchange_group", "sharded_matrices", "build_engine"]
 
 
 class _SubsetMixin:
@@ -109,6 +110,45 @@ class SubsetDistributedOptimizer(AdamStateMixin, _SubsetMixin, DistributedOptimi
     def __init__(self, optimizer, *args, **kwargs):
         self._init_subset(optimizer)
         super().__init__(optimizer, *args, **kwargs)
+
+
+class LionSubsetDistributedOptimizer(LionStateMixin, _SubsetMixin, DistributedOptimizer):
+    """The non-Muon parameters with Lion (``muon_scalar_optimizer='lion'``, core/lion.py).
+
+    Megatron's constructor accepts only Adam as the inner optimizer, so it is built around
+    the inner AdamW (which never steps and allocates no state) and the inner optimizer is
+    then Lion over the same param groups, i.e. the fp32 main-param shards: everything
+    around the step (grad reduce-scatter, clipping, found-inf, param all-gather, the
+    scheduler's lr / wd per group) stays Megatron's.  Lion is element-wise, so each DP
+    shard's update equals the whole tensor's.
+    """
+
+    state_keys = LION_STATE_KEYS
+
+    def __init__(self, optimizer, config, *args, **kwargs):
+        self._init_subset(optimizer)
+        super().__init__(optimizer, config, *args, **kwargs)
+        if self.is_stub_optimizer:
+            return
+        betas = (config.lion_beta1, config.lion_beta2)
+        lion = Lion([torch.zeros(1, requires_grad=True)], lr=config.lr, betas=betas,
+                    weight_decay=config.weight_decay)
+        # Installed directly, as ShardedMuonStep does: fp32 shard main params are views
+        # (non-leaf), which torch's add_param_group refuses.  The group dicts still carry
+        # Adam's betas; no 'step' in them (see ShardedMuonStep: completed_steps counts).
+        lion.param_groups = list(self.optimizer.param_groups)
+        for g in lion.param_groups:
+            g["betas"] = betas
+            g.pop("step", None)
+        self.optimizer = lion
+        self.init_state_fn = lambda opt, config=None: opt.init_state()
+
+    @property
+    def optimizer_state_keys(self):
+        return LION_STATE_KEYS
+
+    def _get_state_key_dtype(self, key):
+        return torch.float32
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.optimizer import get_megatron_optimizer as _mcore_get_megatron_optimizer
 
 from megatron_muon.megatron import compat
-from megatron_muon.megatron.dmuon import DMuonDistributedOptimizer, SubsetDistributedOptimizer
+from megatron_muon.megatron.dmuon import (DMuonDistributedOptimizer, LionSubsetDistributedOptimizer,
+                                          SubsetDistributedOptimizer)
 from megatron_muon.megatron.groups import DMuonGroups
 from megatron_muon.megatron.params import is_muon_matrix
 
@@ -45,7 +46,8 @@ def _split_groups(param_groups, is_muon):
 def build_dmuon_optimizer(config, model_chunks, config_overrides=None,
                           use_gloo_process_groups: bool = True, pg_collection=None,
                           dump_param_to_param_group_map=None):
-    """``ChainedOptimizer([DMuon for hidden matrices, AdamW DistributedOptimizer for the rest])``."""
+    """``ChainedOptimizer([DMuon for hidden matrices, AdamW (or Lion, ``muon_scalar_optimizer``)
+    DistributedOptimizer for the rest])``."""
     from megatron_muon.megatron.config import DMuonOptimizerConfig
 
     if not isinstance(config, DMuonOptimizerConfig):
@@ -65,13 +67,20 @@ def build_dmuon_optimizer(config, model_chunks, config_overrides=None,
     if dist.get_rank() == 0:
         logger.info("%s: Muon takes %d matrices: %s", config.optimizer, len(muon_set),
                     ", ".join(sorted({names[p] for p in muon_set}))[:2000])
-        logger.info("%s: AdamW takes %s", config.optimizer,
+        logger.info("%s: %s takes %s", config.optimizer,
+                    "Lion" if config.muon_scalar_optimizer == "lion" else "AdamW",
                     ", ".join(sorted({n for p, n in names.items() if p not in muon_set}))[:2000])
 
     adam_config = copy.copy(config)
     adam_config.optimizer = "adam"
     param_groups = compat.get_param_groups(model_chunks, adam_config, config_overrides)
     replicate = config.optimizer == "muon_naive"
+    scalar_cls = SubsetDistributedOptimizer  # muon_scalar_optimizer: AdamW or Lion
+    if config.muon_scalar_optimizer == "lion":
+        if config.use_precision_aware_optimizer:
+            raise ValueError("muon_scalar_optimizer='lion' does not support "
+                             "use_precision_aware_optimizer; turn one of them off")
+        scalar_cls = LionSubsetDistributedOptimizer
 
     # Dense and expert parameters live in separate DDP buffers with their own DP groups;
     # each gets a DMuon (Muon matrices) and an AdamW (the rest) over its buffers.  DMuons
@@ -84,7 +93,7 @@ def build_dmuon_optimizer(config, model_chunks, config_overrides=None,
         muon_groups, adam_groups = _split_groups(selected, lambda p: p in muon_set)
         muon_kw = dict(muon_config=config, replicate=replicate, expert=expert, groups=groups)
         for gs, cls, kw, dst in ((muon_groups, DMuonDistributedOptimizer, muon_kw, muon_opts),
-                                 (adam_groups, SubsetDistributedOptimizer, {}, adam_opts)):
+                                 (adam_groups, scalar_cls, {}, adam_opts)):
             if not expert or any(g["params"] for g in gs):
                 opt = compat.build_distributed_optimizer(adam_config, model_chunks, gs, cls,
                                                          groups, expert=expert, cls_kwargs=kw)
@@ -93,6 +102,9 @@ def build_dmuon_optimizer(config, model_chunks, config_overrides=None,
     for opt in muon_opts:
         opt.publish_params = False
     chained = ChainedOptimizer(muon_opts + adam_opts)
+    from megatron_muon.megatron.qk_clip import install_max_logit_recorders
+
+    install_max_logit_recorders(model_chunks)  # QK-clip on local attention: megatron/qk_clip.py
     if config.dmuon_trace_dir:
         import atexit
 

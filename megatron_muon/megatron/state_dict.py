@@ -11,7 +11,13 @@ state (``core.flat_blocks``): nothing is gathered or densified (docs/memory.md).
 * ``ModelSpaceStateMixin``: the format itself (blocks of the own range on save and load) and
   the non-parameter state (param groups, step, grad scaler);
 * ``AdamStateMixin``: ``state_dict``/``load_state_dict`` of the AdamW subset optimizer;
-* ``DMuonStateMixin``: those of DMuon (which finishes any deferred update first).
+* ``DMuonStateMixin``: those of DMuon (which finishes any deferred update first);
+* ``LionStateMixin``: those of the Lion subset optimizer (``muon_scalar_optimizer='lion'``),
+  DMuon's own format with Lion's state key (``exp_avg``).
+
+The scalar optimizer's name is saved with the non-parameter state: resuming an AdamW
+subset from a Lion checkpoint or the other way round is an error (the state tensors mean
+different things).
 
 The mixins sit in front of ``DistributedOptimizer`` in the classes of
 ``megatron_muon.megatron.dmuon``; they use its range maps and ``_managed`` (the
@@ -25,7 +31,20 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_muon.megatron import compat
 
-__all__ = ["ModelSpaceStateMixin", "AdamStateMixin", "DMuonStateMixin"]
+__all__ = ["ModelSpaceStateMixin", "AdamStateMixin", "DMuonStateMixin", "LionStateMixin",
+           "check_scalar_optimizer"]
+
+SCALAR_OPTIMIZER_KEY = "scalar_optimizer"  # in the non-parameter state of the subset
+
+
+def check_scalar_optimizer(state_dict: dict, expected: str) -> None:
+    """A checkpoint of the non-matrix parameters' optimizer must be of the same kind (AdamW
+    checkpoints written before this key existed count as 'adam')."""
+    saved = state_dict.get(SCALAR_OPTIMIZER_KEY, "adam")
+    if saved != expected:
+        raise ValueError(f"the checkpoint's non-matrix parameters were trained with {saved}, "
+                         f"this run uses muon_scalar_optimizer={expected!r}: resume with "
+                         f"--muon-scalar-optimizer {saved}")
 
 
 class ModelSpaceStateMixin:
@@ -158,6 +177,7 @@ class AdamStateMixin(ModelSpaceStateMixin):
         return super().state_dict()
 
     def load_state_dict(self, state_dict):
+        check_scalar_optimizer(state_dict, "adam")
         state_dict, param_state = self._split_param_state(state_dict)
         steps = {g.get("step") for g in state_dict["optimizer"]["param_groups"]} - {None}
         if len(steps) == 1:
@@ -213,3 +233,33 @@ class DMuonStateMixin(ModelSpaceStateMixin):
         finally:
             if moment2:
                 self.optimizer.drop_moment2_shards()
+
+
+class LionStateMixin(ModelSpaceStateMixin):
+    """``state_dict`` / ``load_state_dict`` / ``sharded_state_dict`` of the Lion subset:
+    non-parameter state as DMuon's (its inner optimizer keeps no per-parameter step), Lion's
+    ``exp_avg`` as the parameter state, plus the scalar optimizer's name."""
+
+    state_keys = ("exp_avg",)
+
+    def state_dict(self):
+        return {**self._group_state_dict(self.completed_steps), SCALAR_OPTIMIZER_KEY: "lion"}
+
+    def load_state_dict(self, state_dict):
+        check_scalar_optimizer(state_dict, "lion")
+        state_dict = {k: v for k, v in state_dict.items() if k != SCALAR_OPTIMIZER_KEY}
+        state_dict, param_state = self._split_param_state(state_dict)
+        if self.is_stub_optimizer:
+            return
+        self.optimizer.init_state()
+        saved = state_dict["optimizer"]["param_groups"]
+        if len(saved) != len(self.optimizer.param_groups):
+            raise ValueError(f"checkpoint has {len(saved)} Lion param groups, this model "
+                             f"{len(self.optimizer.param_groups)}")
+        for group, sg in zip(self.optimizer.param_groups, saved):
+            group.update({k: v for k, v in sg.items() if k not in ("params", "step")})
+        self.completed_steps = int(saved[0].get("step", 0)) if saved else 0
+        if self.grad_scaler and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        if param_state is not None:
+            self._load_model_space_state(param_state)

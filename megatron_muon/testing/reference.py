@@ -2,7 +2,7 @@
 
 The same tiny GPT (TP = PP = 1, no DDP) sees the whole global batch of every step and is
 updated by ``megatron_muon.Muon`` on the hidden matrices (units as DMuon splits them) and
-``torch.optim.AdamW`` on the rest (no weight decay on biases and 1-D tensors, as Megatron's
+``torch.optim.AdamW`` (or ``Lion``, ``muon_scalar_optimizer='lion'``) on the rest (no weight decay on biases and 1-D tensors, as Megatron's
 standard parameter groups), with the same global-norm clipping as Megatron.
 """
 
@@ -15,6 +15,7 @@ import torch
 from megatron_muon.megatron.compat import ns_method
 
 from megatron_muon.megatron.params import is_muon_matrix, muon_units, tp_partition_dim
+from megatron_muon.core.lion import Lion
 from megatron_muon.core.muon import Muon
 from megatron_muon.core.units import shard_units
 from megatron_muon.testing.gpt import TinyGPTConfig, build_gpt, full_named_params, init_parallel, train_step
@@ -52,9 +53,13 @@ def reference_train(cfg: dict, dp_size: int, steps: int = 3, opt: Optional[dict]
     rest = {n: p for n, p in named.items() if n not in muon_params}
     no_wd = [p for n, p in rest.items() if p.ndim == 1 or n.endswith(".bias")]
     wd = [p for n, p in rest.items() if not (p.ndim == 1 or n.endswith(".bias"))]
-    adam = torch.optim.AdamW([{"params": wd, "weight_decay": o.weight_decay},
-                              {"params": no_wd, "weight_decay": 0.0}], lr=o.lr,
-                             betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+    rest_groups = [{"params": wd, "weight_decay": o.weight_decay},
+                   {"params": no_wd, "weight_decay": 0.0}]
+    if o.muon_scalar_optimizer == "lion":
+        adam = Lion(rest_groups, lr=o.lr, betas=(o.lion_beta1, o.lion_beta2))
+    else:
+        adam = torch.optim.AdamW(rest_groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
+                                 eps=o.adam_eps)
     opts = [adam]
     if muon_params:
         units = {p: _blockwise(muon_units(n, tuple(p.shape), model[0].config,
@@ -69,7 +74,12 @@ def reference_train(cfg: dict, dp_size: int, steps: int = 3, opt: Optional[dict]
                          units=units, ns_method=ns_method(o), moment2=o.dmuon_moment2,
                          beta2=o.adaptive_muon_beta2, moment2_eps=o.adaptive_muon_eps,
                          ns_dtype=torch.bfloat16 if o.muon_fp32_matmul_prec == "medium" else None))
-    losses = []
+    qk_clip = bool(gcfg.extra.get("qk_clip"))
+    if qk_clip:
+        from megatron_muon.megatron.qk_clip import clip_qk, install_max_logit_recorders
+
+        install_max_logit_recorders(model)
+    losses, max_logits = [], []
     m = gcfg.num_microbatches * dp_size
     for step in range(steps):
         for p in named.values():
@@ -81,7 +91,9 @@ def reference_train(cfg: dict, dp_size: int, steps: int = 3, opt: Optional[dict]
             torch.nn.utils.clip_grad_norm_(params, o.clip_grad)
         for opt_ in opts:
             opt_.step()
-    return dict(losses=losses, params=full_named_params(model))
+        if qk_clip:  # after the step, as Megatron; no main params here
+            max_logits.append(clip_qk(model, None))
+    return dict(losses=losses, params=full_named_params(model), max_logits=max_logits)
 
 
 def reference_variants(variants: list) -> list:

@@ -51,7 +51,7 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
                    checkpoint: Optional[dict] = None, inf_at_step: Optional[int] = None,
                    params_each_step: bool = False, clip_at_steps: tuple = (),
                    trace_dir: Optional[str] = None, record_muon_collectives: bool = False,
-                   matrix_placement: bool = True) -> dict:
+                   matrix_placement: bool = True, recheck_max_logit: bool = False) -> dict:
     """Train the tiny GPT for ``steps`` steps; return losses and (TP-gathered) parameters.
 
     ``inf_at_step`` writes an Inf into every rank's reduced gradient buffer at that step
@@ -60,7 +60,10 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
     Muon step (and its speculative overlap work) issued; ``clip_at_steps`` sets a tiny ``clip_grad`` (1e-4) in
     those steps so that clipping certainly happens; ``trace_dir`` writes Chrome traces;
     ``matrix_placement=False`` builds the DDP buffers without the matrix layout that
-    ``dmuon_placement='matrix'`` asks for (to test the error).
+    ``dmuon_placement='matrix'`` asks for (to test the error).  With ``qk_clip`` in
+    ``cfg['extra']`` the model is QK-clipped after every step (``max_logits``: the max logit
+    of each step); ``recheck_max_logit`` then runs the last step's batch forward once more
+    and returns the max logit of the clipped weights (``max_logit_after``).
     """
     from megatron.core.distributed import DistributedDataParallelConfig
 
@@ -105,7 +108,7 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
         from megatron_muon.megatron.checkpoint import load_checkpoint
 
         start = load_checkpoint(checkpoint["load"], model, optim, sched)
-    history, updated = [], []
+    history, updated, max_logits = [], [], []
     base_clip = ocfg.clip_grad
     for step in range(start, steps):
         sched.step(1)
@@ -113,6 +116,11 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
             sub.config.clip_grad = 1e-4 if step in clip_at_steps else base_clip
         out = train_step(model, optim, gcfg, step, lr["dp"], lr["dp_size"],
                          grad_hook=_poison_grads(model) if step == inf_at_step else None)
+        if gcfg.extra.get("qk_clip"):  # Megatron's order: optimizer.step(), then clip_qk
+            from megatron_muon.megatron.qk_clip import clip_qk
+
+            out["max_logit"] = clip_qk(model, optim)
+        max_logits.append(out.get("max_logit"))
         losses.append(out.get("loss"))
         norms.append(out.get("grad_norm"))
         updated.append(out.get("update_successful"))
@@ -123,6 +131,12 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
             from megatron_muon.megatron.checkpoint import save_checkpoint
 
             save_checkpoint(checkpoint["save"], model, optim, step + 1, sched)
+    max_logit_after = None
+    if recheck_max_logit:
+        from megatron_muon.megatron.qk_clip import clip_qk
+
+        train_step(model, None, gcfg, steps - 1, lr["dp"], lr["dp_size"], forward_only=True)
+        max_logit_after = clip_qk(model, optim, log_max_only=True)
     if trace_dir:
         from megatron_muon.megatron.tracing import save_trace
 
@@ -130,7 +144,8 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
     if recorder is not None:
         recorder.uninstall()
     result = dict(layout=lr, losses=losses, grad_norms=norms, rank=dist.get_rank(),
-                  updated=updated, history=history,
+                  updated=updated, history=history, max_logits=max_logits,
+                  max_logit_after=max_logit_after,
                   muon_collectives=recorder.records if recorder is not None else None)
     from megatron_muon.megatron.zero3 import zero3_memory, zero3_of, zero3s
 
