@@ -165,7 +165,7 @@ def test_every_flag_field_carries_type_default_help_and_flag():
 
     names = [f.name for f in cli_fields()]
     own = [n for n in DMuonOptimizerConfig.__annotations__
-           if n.startswith(("muon_", "dmuon_", "adaptive_muon_"))]
+           if n.startswith(("muon_", "dmuon_", "adaptive_muon_", "lion_"))]
     assert names == own  # every Muon / DMuon field is a flag, in declaration order
     for f in cli_fields():
         assert f.default is not dataclasses.MISSING and f.metadata["help"].strip(), f.name
