@@ -244,6 +244,15 @@ class OwnerCentricNS:
         self.gather_tables = dict(sorted(gather.items()))
         # Scatter: the owner sends from its unit buffer, the holder writes its flat buffer.
         self.scatter_tables = {} if replicate else dict(sorted(scatter.items()))
+        # Do the exchanges write every element of the owned buffer / of the flat output?
+        # (Units tile their matrices and pieces tile the shards, so normally yes; then the
+        # step allocates them without a zero-fill.)  Blocks never overlap, so counting
+        # elements decides it.
+        self.gather_covers = sum(_numel(b) for t in self.gather_tables.values()
+                                 for b in t.recv + [t.local]) == self.owned_numel
+        written = (_numel(self.local_copy) if replicate else
+                   sum(_numel(b) for t in self.scatter_tables.values() for b in t.recv + [t.local]))
+        self.scatter_covers = written == self.local_numel
 
     # ------------------------------------------------------------------ step
     def index_bytes(self) -> int:
@@ -300,7 +309,11 @@ class OwnerCentricNS:
             o = self.ns_fn(x, steps=self.ns_steps, coefficients=self.coefficients, eps=self.eps,
                            dtype=self.ns_dtype)
             scale = muon_scale(m, n, self.scale_mode, self.extra_scale_factor)
-            out[off: off + count * m * n].view(count, m, n).copy_(o).mul_(scale)
+            dst = out[off: off + count * m * n].view(count, m, n)
+            if o.dtype == dst.dtype:  # one pass; the same fp32 multiply as copy + mul_
+                torch.mul(o, scale, out=dst)
+            else:  # round to fp32 first, then scale in fp32 (as the reference does)
+                dst.copy_(o).mul_(scale)
             del x, o
         return out
 
@@ -325,15 +338,16 @@ class OwnerCentricNS:
         """
         if local.numel() != self.local_numel:
             raise ValueError(f"flat buffer has {local.numel()} elements, expected {self.local_numel}")
-        owned = torch.zeros(self.owned_numel, dtype=torch.float32, device=local.device)
+        owned = (torch.empty if self.gather_covers else torch.zeros)(
+            self.owned_numel, dtype=torch.float32, device=local.device)
         with span("dmuon.gather"):
             for b in self.gather_tables:
                 self.gather(local, b, owned)
         with span("dmuon.ns"):
             result = self.orthogonalize(owned, out=owned)
         if out is None:
-            out = torch.zeros_like(local)
-        else:
+            out = (torch.empty_like if self.scatter_covers else torch.zeros_like)(local)
+        elif not self.scatter_covers:
             out.zero_()  # as a new buffer: elements no unit covers stay zero
         with span("dmuon.scatter"):
             if self.replicate:
