@@ -858,6 +858,11 @@ def summarize(args, log, start, t_setup, t_train, t_total) -> dict:
     skip = min(3, n // 5)  # the first iterations include one-time warm-up
     steady = times[skip:] if n else times
     fb, opt = (float(steady[:, 0].mean()), float(steady[:, 1].mean())) if n else (0.0, 0.0)
+    mem = None
+    if torch.cuda.is_available():  # the largest max_memory_allocated over ranks
+        peak = torch.tensor([float(torch.cuda.max_memory_allocated())], device="cuda")
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        mem = peak.item() / 2**20
     last = [r["loss"] for r in log[-10:]]
     return dict(
         optimizer=args.optimizer, iterations=n, first_iteration=start + 1,
@@ -867,7 +872,8 @@ def summarize(args, log, start, t_setup, t_train, t_total) -> dict:
         optimizer_share=opt / (fb + opt) if fb + opt > 0 else 0.0,
         tokens_per_s=args.global_batch_size * args.seq_length / ((fb + opt) / 1e3)
         if fb + opt > 0 else 0.0,
-        timing_skipped_iterations=skip, setup_s=t_setup, train_s=t_train, total_s=t_total)
+        timing_skipped_iterations=skip, setup_s=t_setup, train_s=t_train, total_s=t_total,
+        max_memory_allocated_mib=mem)
 
 
 def print_summary(args, s: dict) -> None:
@@ -882,6 +888,8 @@ def print_summary(args, s: dict) -> None:
               f"{s['timing_skipped_iterations']}, max over ranks), {s['tokens_per_s']:.0f} tokens/s")
         print(f"    forward-backward {s['fwd_bwd_ms']:8.1f} ms  ({100 - 100 * s['optimizer_share']:5.1f} %)")
         print(f"    optimizer step   {s['optimizer_ms']:8.1f} ms  ({100 * s['optimizer_share']:5.1f} %)")
+    if s.get("max_memory_allocated_mib") is not None:
+        print(f"  max memory     {s['max_memory_allocated_mib']:.0f} MiB allocated (CUDA, max over ranks)")
     print(f"  total time     {s['total_s']:.1f} s (setup {s['setup_s']:.1f} s, "
           f"training {s['train_s']:.1f} s)")
     print("=" * 78, flush=True)

@@ -240,6 +240,45 @@ def test_overlap_exposes_at_least_the_last_bucket():
 
 
 @pytest.mark.timeout(60)
+def test_overlap_policy_and_clip_rate():
+    """'on' pays the owner work W again on every clipped step; 'off' and 'auto' without PP
+    are the plain step; 'auto' with PP keeps the cheaper mode plus its probe share, the
+    probe schedule being SpeculationGate's."""
+    import inspect
+
+    from megatron_muon.megatron.overlap import SpeculationGate
+
+    defaults = inspect.signature(SpeculationGate).parameters
+    assert (cm.PROBE_RUN, cm.PROBE_EVERY) == (defaults["run"].default, defaults["every"].default)
+    share = cm.PROBE_RUN / cm.PROBE_EVERY
+
+    def exposed(policy, clip, pp, work=10.0, hidden=2.0):
+        run = replace(PLAIN, overlap_policy=policy, clip_rate=clip)
+        return cm.overlap_exposed(work, hidden, run, pp)
+
+    assert exposed("on", 0.0, 1) == (2.0, "on")
+    assert exposed("on", 1.0, 1) == (12.0, "on")  # NS twice on a clipped step
+    assert exposed("on", 0.25, 1) == (4.5, "on")
+    assert exposed("off", 0.0, 2) == (10.0, "off") and exposed("auto", 0.0, 1) == (10.0, "off")
+    # measured: the cheaper mode, plus the other one in the probe windows
+    assert exposed("auto", 0.0, 2) == (pytest.approx(2.0 + share * 8.0), "measured")
+    assert exposed("auto", 1.0, 2) == (pytest.approx(10.0 + share * 2.0), "measured")
+    with pytest.raises(ValueError, match="overlap_policy must be"):
+        exposed("sometimes", 0.0, 1)
+    with pytest.raises(ValueError, match="clip_rate"):
+        exposed("on", 1.5, 1)
+    # predict() charges it: on the tiny model a clipped step adds the owner work W
+    lay = cm.Layout(dp=4)
+    dm = cm.predict(TINY, lay, IDEAL, "dmuon", PLAIN)
+    work = sum(dm.breakdown[k] for k in ("muon_comm", "ns", "owned"))
+    on = [cm.predict(TINY, lay, IDEAL, "dmuon_overlap", replace(PLAIN, clip_rate=c)).exposed_s
+          for c in (0.0, 1.0)]
+    assert work > 0 and on[1] == pytest.approx(on[0] + work)
+    off = cm.predict(TINY, lay, IDEAL, "dmuon_overlap", replace(PLAIN, overlap_policy="auto"))
+    assert off.exposed_s == pytest.approx(dm.exposed_s)
+
+
+@pytest.mark.timeout(60)
 def test_cpu_profile_roundtrip(tmp_path):
     prof = dict(ns_rate_points=[[128, 1e10], [384, 2e10]], collectives={
         "all_to_all": [5e8, 1e-3], "all_gather": [2e8, 1e-3], "all_reduce": [5e8, 2e-3]},

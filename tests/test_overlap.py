@@ -67,7 +67,8 @@ def test_overlapped_dmuon_equals_plain_dmuon(layout, tmp_path):
             u for i, u in enumerate(on["updated"]) if i != INF_AT)
         ov = on["dmuon_stats"]["overlap"]
         # every step speculated; the clipped step redid the work, the Inf step dropped it
-        assert ov == dict(speculated=STEPS, used=STEPS - 2, redone=1, dropped=1, skipped=0), ov
+        assert ov == dict(speculated=STEPS, used=STEPS - 2, redone=1, dropped=1, skipped=0,
+                          probes=0), ov
         assert off["dmuon_stats"]["overlap"] is None
     # Per step, except with the trace: reading the parameters after every step forces the
     # param all-gather there, and the trace must show the deferred updates in the forward.
@@ -112,7 +113,7 @@ def test_auto_overlap_backs_off_and_equals_plain_dmuon():
         assert off["updated"] == auto["updated"] and all(auto["updated"])
         assert off["dmuon_stats"]["overlap"] is None
         ov = auto["dmuon_stats"]["overlap"]
-        assert ov == dict(speculated=3, used=1, redone=2, dropped=0, skipped=3), ov
+        assert ov == dict(speculated=3, used=1, redone=2, dropped=0, skipped=3, probes=0), ov
     for step in range(AUTO_STEPS):
         a, b = (merged(results, i, step) for i in range(2))
         assert a.keys() == b.keys()

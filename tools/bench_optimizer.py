@@ -5,19 +5,30 @@ One command, one run, the same model for every optimizer:
     python tools/bench_optimizer.py --nproc 4 --tp 1          # DP4
     python tools/bench_optimizer.py --nproc 4 --tp 2          # TP2 x DP2
 
-For each optimizer it builds the tiny-but-not-trivial GPT, runs warm-up steps, then times
-``optimizer.step()`` (barrier before and after, so the slowest rank counts; DMuon runs with
-``dmuon_overlap=False`` so that all of its work is inside the step, see
-``tools/bench_overlap.py`` for the overlap) and reports bytes sent/received per rank in the
-Muon exchange, Muon state bytes per rank and memory per rank (param and grad buffers with
-their padding, optimizer state incl. fp32 main params).  ``dmuon_matrix`` is DMuon with
-MatrixFSDP placement (ZeRO-1: ``dmuon_placement='matrix'`` in matrix-placed DDP buffers);
-``dmuon_zero3`` the same placement under ZeRO-3 (``dmuon_zero3=True``: a rank stores only
-the parameters and gradients it owns; buckets of ``--zero3-bucket-size`` elements are
-gathered for forward and backward, so its cost shows in the fwd+bwd column).
-Megatron-Core's layer-wise distributed Muon (``optimizer='muon'``) is included when the
-installed megatron-core has it and ``emerging_optimizers`` imports; otherwise the table
-says why it is missing.  CPU numbers are ratios from one run, not absolute claims.
+It builds every variant on the same GPT first, then runs their training steps interleaved
+(step s of every variant, then step s+1), so that load changes hit all rows alike, and
+prints per variant the total step (forward+backward+optimizer step) and the optimizer step
+alone: the median over the timed steps of each rank, then the slowest rank (barriers before
+and after each phase).  Variants:
+
+* ``adam``: Megatron's AdamW distributed optimizer;
+* ``mcore_muon_blockwise`` / ``mcore_muon_duplicated``: Megatron-Core's own Muon on its
+  layer-wise distributed optimizer (``optimizer='muon'``, megatron-core >= 0.19 with
+  ``emerging_optimizers``), in its default inexact ``blockwise`` TP mode and its exact
+  ``duplicated`` mode; when it is not importable its rows are skipped with the reason;
+* ``dmuon``: DMuon with its defaults (``dmuon_overlap='auto'``); ``dmuon_noov``: overlap
+  off, so that all of its work is inside the step; ``muon_naive``: every rank gathers and
+  orthogonalises every matrix;
+* ``dmuon_matrix``: MatrixFSDP placement (``dmuon_placement='matrix'``, overlap off);
+  ``dmuon_zero3`` the same placement under ZeRO-3 (``dmuon_zero3=True``: buckets of
+  ``--zero3-bucket-size`` elements are gathered for forward and backward, so its cost shows
+  in the total).
+
+A second table gives bytes sent/received per rank in the Muon exchange, Muon state bytes and
+memory per rank (param and grad buffers with their padding, optimizer state incl. fp32 main
+params).  ``--profile VARIANT`` prints torch.profiler's table of that variant's last
+optimizer step on rank 0.  ``--clip-grad`` is Megatron's ``clip_grad`` (default 1.0: clips
+in most early steps; 0: off).  CPU numbers are ratios from one run, not absolute claims.
 """
 
 from __future__ import annotations
@@ -53,7 +64,9 @@ def _mcore_muon_config(base: dict, tp_mode: str):
                            use_distributed_optimizer=False, muon_tp_mode=tp_mode,
                            muon_momentum=0.95, muon_num_ns_steps=base["ns_steps"],
                            muon_fp32_matmul_prec=base["prec"], muon_coefficient_type="quintic",
-                           lr=1e-3, weight_decay=0.01, bf16=False)
+                           lr=1e-3, weight_decay=0.01, bf16=False, adam_beta1=0.9,
+                           adam_beta2=0.95, adam_eps=1e-8,
+                           clip_grad=base["clip_grad"])
 
 
 def _fp32_layer_wise_workaround(optim, config):
@@ -77,78 +90,154 @@ def _fp32_layer_wise_workaround(optim, config):
     return optim
 
 
-def worker(cfg: dict, tp: int, optimizers: list, steps: int, warmup: int, prec: str,
-           ns_steps: int, zero3_bucket_size: int = 1_000_000) -> dict:
-    import torch.distributed as dist
+VARIANTS = ("adam", "muon_naive", "dmuon", "dmuon_noov", "dmuon_matrix", "dmuon_zero3",
+            "mcore_muon_duplicated", "mcore_muon_blockwise")
+
+
+def _build(name: str, gcfg, prec: str, ns_steps: int, clip_grad: float, zero3_bucket_size: int):
+    """(model, optimizer) of one variant; raises ImportError etc. when it cannot be built."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_muon.megatron.factory import get_megatron_optimizer
-    from megatron_muon.testing.gpt import TinyGPTConfig, build_gpt, init_parallel, layout_ranks, train_step
+    from megatron_muon.testing.gpt import build_gpt
     from megatron_muon.testing.workers import make_optimizer_config
 
+    torch.manual_seed(gcfg.seed)
+    if name.startswith("mcore_muon"):
+        from megatron.core.optimizer import get_megatron_optimizer as mcore_get
+
+        ocfg = _mcore_muon_config(dict(ns_steps=ns_steps, prec=prec, clip_grad=clip_grad),
+                                  "duplicated" if name.endswith("duplicated") else "blockwise")
+        import megatron.core.optimizer as mcore_optimizer
+
+        model = _layer_wise_ddp(gcfg)
+        # fp32 (see _fp32_layer_wise_workaround): fix the layer-wise optimizer up as soon as it
+        # is built, before megatron-core 0.19.2 chains it with the AdamW DistributedOptimizer
+        # (ChainedOptimizer asserts that both carry the same config).
+        layer_wise = mcore_optimizer.LayerWiseDistributedOptimizer
+        mcore_optimizer.LayerWiseDistributedOptimizer = \
+            lambda *a, **k: _fp32_layer_wise_workaround(layer_wise(*a, **k), ocfg)
+        try:
+            return model, _fp32_layer_wise_workaround(mcore_get(ocfg, model), ocfg)
+        finally:
+            mcore_optimizer.LayerWiseDistributedOptimizer = layer_wise
+    zero3 = name == "dmuon_zero3"
+    matrix = zero3 or name == "dmuon_matrix"
+    # 'dmuon' keeps the default overlap policy ('auto'); every other DMuon row has it off so
+    # that all of its work is inside optimizer.step()
+    overlap = {} if name == "dmuon" else dict(dmuon_overlap=False)
+    ocfg = make_optimizer_config("dmuon" if name.startswith("dmuon") else name, lr=1e-3,
+                                 muon_fp32_matmul_prec=prec, muon_num_ns_steps=ns_steps,
+                                 dmuon_log_plan=False, clip_grad=clip_grad,
+                                 dmuon_placement="matrix" if matrix else "dmuon",
+                                 dmuon_zero3=zero3, **overlap)
+    placement = None
+    if matrix:
+        from megatron_muon.megatron.matrix_placement import matrix_placement_for
+
+        placement = matrix_placement_for(ocfg, log=False)
+    ddp = dict(overlap_grad_reduce=True, bucket_size=zero3_bucket_size) if zero3 else {}
+    model = build_gpt(gcfg, ddp_config=DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True, **ddp), placement=placement)
+    return model, get_megatron_optimizer(ocfg, model)
+
+
+def _layer_wise_ddp(gcfg) -> list:
+    """The GPT in Megatron DDP the way megatron-core 0.19 lays it out for its layer-wise
+    optimizer: ``use_distributed_optimizer=True`` with the shard-aligned layout of
+    ``LayerWiseDistributedOptimizer.compute_full_param_layout`` (every matrix whole in one
+    DP shard, even shards: the params are all-gathered from the buffers; the legacy
+    unpadded path needs an uneven all_gather, which gloo does not have)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer.layer_wise_optimizer import (LayerWiseDistributedOptimizer,
+                                                              tag_params_for_buffer_routing)
+
+    from megatron_muon.testing.gpt import build_gpt, wire_ddp_hooks
+
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                               grad_reduce_in_fp32=True)
+    chunks = build_gpt(gcfg, wrap_ddp=False)
+    tag_params_for_buffer_routing(chunks)  # Muon matrices vs AdamW buffers (Megatron's own)
+    wrapped = []
+    for chunk in chunks:
+        layout = LayerWiseDistributedOptimizer.compute_full_param_layout(
+            [p for p in chunk.parameters() if p.requires_grad], None,
+            parallel_state.get_data_parallel_world_size(with_context_parallel=True), ddp_config)
+        wrapped.append(DistributedDataParallel(config=chunk.config, ddp_config=ddp_config,
+                                               module=chunk, full_param_layout=layout))
+    wire_ddp_hooks(chunks[0].config, wrapped, ddp_config)
+    return wrapped
+
+
+def worker(cfg: dict, tp: int, optimizers: list, steps: int, warmup: int, prec: str,
+           ns_steps: int, zero3_bucket_size: int = 1_000_000, clip_grad: float = 1.0,
+           profile: str = "") -> dict:
+    """Builds every variant first, then times their steps interleaved (step s of every
+    variant before step s+1 of any), so that a change in the machine's load hits all rows."""
+    import torch.distributed as dist
+
+    from megatron_muon.testing.gpt import TinyGPTConfig, init_parallel, layout_ranks, train_step
+
     gcfg = TinyGPTConfig(**cfg)
-    out = {}
+    init_parallel(tp=tp, pp=1, seed=gcfg.seed)
+    lr = layout_ranks()
+    out, live = {}, {}
     for name in optimizers:
-        init_parallel(tp=tp, pp=1, seed=gcfg.seed)
         try:
-            if name.startswith("mcore_muon"):
-                from megatron.core.optimizer import get_megatron_optimizer as mcore_get
-
-                ocfg = _mcore_muon_config(dict(ns_steps=ns_steps, prec=prec),
-                                          "duplicated" if name.endswith("duplicated") else "blockwise")
-                model = build_gpt(gcfg, ddp_config=DistributedDataParallelConfig(
-                    use_distributed_optimizer=False))
-                optim = _fp32_layer_wise_workaround(mcore_get(ocfg, model), ocfg)
-            else:
-                zero3 = name == "dmuon_zero3"
-                matrix = zero3 or name == "dmuon_matrix"
-                ocfg = make_optimizer_config("dmuon" if matrix else name, lr=1e-3,
-                                             muon_fp32_matmul_prec=prec, muon_num_ns_steps=ns_steps,
-                                             dmuon_log_plan=False, dmuon_overlap=False,
-                                             dmuon_placement="matrix" if matrix else "dmuon",
-                                             dmuon_zero3=zero3)
-                placement = None
-                if matrix:
-                    from megatron_muon.megatron.matrix_placement import matrix_placement_for
-
-                    placement = matrix_placement_for(ocfg, log=False)
-                ddp = dict(overlap_grad_reduce=True, bucket_size=zero3_bucket_size) if zero3 else {}
-                model = build_gpt(gcfg, ddp_config=DistributedDataParallelConfig(
-                    use_distributed_optimizer=True, grad_reduce_in_fp32=True, **ddp),
-                    placement=placement)
-                optim = get_megatron_optimizer(ocfg, model)
+            live[name] = _build(name, gcfg, prec, ns_steps, clip_grad, zero3_bucket_size)
         except Exception as e:  # reported in the table, not hidden
-            out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
-            continue
-        lr = layout_ranks()
-        times, fb_times = [], []
-        try:
-            for step in range(warmup + steps):
+            out[name] = {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"}
+            if os.environ.get("BENCH_TRACEBACK"):  # debugging: where it failed
+                import traceback
+
+                out[name]["error"] += "\n" + traceback.format_exc()[-3000:]
+    times = {n: ([], []) for n in live}
+    for step in range(warmup + steps):
+        for name in list(live):
+            model, optim = live[name]
+            prof = None
+            if profile == name and step == warmup + steps - 1 and dist.get_rank() == 0:
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                              record_shapes=False)
+            try:
                 dist.barrier()
                 t0 = time.perf_counter()
                 train_step(model, None, gcfg, step, lr["dp"], lr["dp_size"])  # grads only
                 dist.barrier()
                 t1 = time.perf_counter()
-                optim.step()
+                if prof is not None:
+                    with prof:
+                        optim.step()
+                else:
+                    optim.step()
                 dist.barrier()
-                if step >= warmup:
-                    times.append(time.perf_counter() - t1)
-                    fb_times.append(t1 - t0)
-        except RuntimeError as e:  # e.g. gloo has no uneven all_gather
-            out[name] = {"error": f"step failed: {str(e).splitlines()[0][:120]}"}
-            continue
-        rec = {"step_s": statistics.median(times), "fwd_bwd_s": statistics.median(fb_times),
+                t2 = time.perf_counter()
+            except RuntimeError as e:  # e.g. gloo has no uneven all_gather
+                out[name] = {"error": f"step failed: {str(e).splitlines()[0][:120]}"}
+                del live[name]
+                continue
+            if prof is not None:
+                out["_profile"] = prof.key_averages().table(sort_by="self_cpu_time_total",
+                                                            row_limit=25)
+            if step >= warmup:
+                times[name][0].append(t2 - t1)
+                times[name][1].append(t1 - t0)
+    for name, (model, optim) in live.items():
+        st, fb = times[name]
+        rec = {"step_s": statistics.median(st), "fwd_bwd_s": statistics.median(fb),
+               "total_s": statistics.median(a + b for a, b in zip(st, fb)),
                "memory": _memory_per_rank(model, optim)}
         for sub in getattr(optim, "chained_optimizers", [optim]):
             if hasattr(sub, "dmuon_stats"):
-                st = sub.dmuon_stats()
+                s = sub.dmuon_stats()
                 per = warmup + steps
-                rec.update(sent=st["comm"]["bytes_sent"] / per,
-                           received=st["comm"]["bytes_received"] / per,
-                           state=st["state_bytes"], muon_bytes=4 * st["muon_numel"],
-                           imbalance=st["plan_imbalance"], bookkeeping=st["index_bytes"])
+                rec.update(sent=s["comm"]["bytes_sent"] / per,
+                           received=s["comm"]["bytes_received"] / per,
+                           state=s["state_bytes"], muon_bytes=4 * s["muon_numel"],
+                           imbalance=s["plan_imbalance"], bookkeeping=s["index_bytes"],
+                           overlap=s["overlap"])
         out[name] = rec
-        del optim, model
     return out
 
 
@@ -194,8 +283,13 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--ns-steps", type=int, default=5)
     p.add_argument("--muon-fp32-matmul-prec", default="highest", choices=["highest", "high", "medium"])
-    p.add_argument("--optimizers", default="adam,muon_naive,dmuon,dmuon_matrix,dmuon_zero3,"
-                                            "mcore_muon_duplicated,mcore_muon_blockwise")
+    p.add_argument("--seq-length", type=int, default=32)
+    p.add_argument("--clip-grad", type=float, default=1.0,
+                   help="Megatron's clip_grad for every variant (0: no clipping)")
+    p.add_argument("--optimizers", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--profile", default="",
+                   help="torch.profiler table of this variant's last optimizer step (rank 0)")
     p.add_argument("--zero3-bucket-size", type=int, default=1_000_000,
                    help="DDP bucket size (elements) of the dmuon_zero3 row: its gather unit")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -205,29 +299,53 @@ def main(argv=None) -> int:
 
     cfg = dict(num_layers=a.num_layers, hidden_size=a.hidden_size, ffn_hidden_size=a.ffn_hidden_size,
                num_attention_heads=a.num_attention_heads, num_query_groups=None, vocab_size=256,
-               seq_length=32, micro_batch_size=2, num_microbatches=1)
+               seq_length=a.seq_length, micro_batch_size=2, num_microbatches=1)
     opts = [o for o in a.optimizers.split(",") if o]
     t0 = time.time()
     res = run_ranks("tools.bench_optimizer:worker", a.nproc,
                     dict(cfg=cfg, tp=a.tp, optimizers=opts, steps=a.steps, warmup=a.warmup,
                          prec=a.muon_fp32_matmul_prec, ns_steps=a.ns_steps,
-                         zero3_bucket_size=a.zero3_bucket_size),
+                         zero3_bucket_size=a.zero3_bucket_size, clip_grad=a.clip_grad,
+                         profile=a.profile),
                     timeout=3000, env={"PYTHONPATH": os.getcwd()})
     dp = a.nproc // a.tp
     print(f"# optimizer-step benchmark: {a.nproc} ranks (TP{a.tp} x DP{dp}), {a.num_layers} layers, "
           f"hidden {a.hidden_size}, ffn {a.ffn_hidden_size}, NS {a.ns_steps} steps "
-          f"({a.muon_fp32_matmul_prec}), median of {a.steps} steps; wall {time.time() - t0:.0f}s")
+          f"({a.muon_fp32_matmul_prec}), seq {a.seq_length}, clip_grad {a.clip_grad}, median of "
+          f"{a.steps} interleaved steps (max over ranks); wall {time.time() - t0:.0f}s")
     print(f"# command: python tools/bench_optimizer.py {' '.join(argv or sys.argv[1:])}")
-    def slowest(name):
+    def slowest(name, key="step_s"):
         if name not in res[0] or "error" in res[0][name]:
             return None
-        return max(r[name]["step_s"] for r in res)
+        return max(r[name][key] for r in res)
+
+    if "_profile" in res[0]:
+        print(f"# torch.profiler, {a.profile}, rank 0, last optimizer.step():\n{res[0].pop('_profile')}")
+    for name in opts:
+        if "error" in res[0].get(name, {}):
+            print(f"# {name}: skipped: {res[0][name]['error']}")
 
     base, naive = slowest("dmuon"), slowest("muon_naive")
     base_mem = None
     if base is not None:
         base_mem = max(sum(r["dmuon"]["memory"][k] for k in ("params", "grads", "state"))
                        for r in res)
+    lw = slowest("mcore_muon_blockwise", "total_s"), slowest("mcore_muon_blockwise")
+    adam = slowest("adam", "total_s"), slowest("adam")
+    print(f"{'optimizer':24s} {'total ms':>9s} {'opt ms':>8s} {'tot/lw':>7s} {'opt/lw':>7s} "
+          f"{'tot/adam':>8s} {'opt/adam':>8s} {'overlap (spec/used/redone/dropped/skipped)':>42s}")
+    for name in opts:
+        r0 = res[0].get(name, {})
+        if "error" in r0:
+            continue
+        tot, st = slowest(name, "total_s"), slowest(name)
+        ov = r0.get("overlap")
+        ovs = "/".join(str(ov[k]) for k in ("speculated", "used", "redone", "dropped", "skipped")) \
+            if ov else "-"
+        ratio = lambda x, y: f"{x / y:.2f}" if y else "-"  # noqa: E731
+        print(f"{name:24s} {1e3 * tot:9.1f} {1e3 * st:8.1f} {ratio(tot, lw[0]):>7s} "
+              f"{ratio(st, lw[1]):>7s} {ratio(tot, adam[0]):>8s} {ratio(st, adam[1]):>8s} {ovs:>42s}")
+    print()
     print(f"{'optimizer':24s} {'step ms':>9s} {'vs dmuon':>9s} {'naive/x':>8s} {'fwd+bwd ms':>11s} "
           f"{'sent KiB/r':>11s} {'recv KiB/r':>11s} {'state KiB/r':>12s} "
           f"{'mem: params':>12s} {'grads':>8s} {'opt state':>10s} {'total':>8s} {'vs dmuon':>9s} "
@@ -235,7 +353,6 @@ def main(argv=None) -> int:
     for name in opts:
         r0 = res[0].get(name, {})
         if "error" in r0:
-            print(f"{name:24s} unavailable: {r0['error']}")
             continue
         step = max(r[name]["step_s"] for r in res)
         fb = max(r[name]["fwd_bwd_s"] for r in res)

@@ -698,7 +698,8 @@ def run_from_args(a) -> cm.RunConfig:
     return cm.RunConfig(global_batch=a.global_batch, micro_batch=a.micro_batch, mfu=a.mfu,
                         ns_steps=a.ns_steps, overlap_efficiency=a.overlap_efficiency,
                         naive_per_matrix_calls=a.naive_per_matrix_calls,
-                        overlap_param_gather=not a.no_overlap, overlap_grad_reduce=not a.no_overlap)
+                        overlap_param_gather=not a.no_overlap, overlap_grad_reduce=not a.no_overlap,
+                        overlap_policy=a.overlap_policy, clip_rate=a.clip_rate)
 
 
 def main(argv=None) -> int:
@@ -731,6 +732,12 @@ def main(argv=None) -> int:
     g.add_argument("--mfu", type=float, default=0.40)
     g.add_argument("--ns-steps", type=int, default=5)
     g.add_argument("--overlap-efficiency", type=float, default=0.5)
+    g.add_argument("--overlap-policy", default="on", choices=cm.OVERLAP_POLICIES,
+                   help="the dmuon_overlap row's dmuon_overlap setting ('auto': measured with "
+                        "PP > 1, off without)")
+    g.add_argument("--clip-rate", type=float, default=0.0,
+                   help="share of steps whose gradients are clipped after the speculation "
+                        "(they redo the owner work)")
     g.add_argument("--naive-per-matrix-calls", action="store_true")
     g.add_argument("--no-overlap", action="store_true", help="no grad-reduce / param-gather overlap")
     g.add_argument("--breakdown-gpus", type=int, default=None)

@@ -167,6 +167,11 @@ class RunConfig:
     locality_slack: float = 0.03
     locality_max_work: int = 1_500_000  # units x ranks above which plain LPT is used (speed)
     overlap_efficiency: float = 0.5  # dmuon_overlap: usable share of the backward window
+    # dmuon_overlap's policy (dmuon_overlap='on' / 'auto' / 'off'; 'auto': measured with
+    # PP > 1, off without) and the share of steps whose gradients clipping (or anything
+    # else) changes after the speculation: those redo the owner work in the step
+    overlap_policy: str = "on"
+    clip_rate: float = 0.0
     naive_per_matrix_calls: bool = False  # naive Muon issuing one collective per matrix
     megatron_pad: bool = True  # Megatron's 64-element param and lcm(DP,128) bucket padding
     main_copy_passes: int = 2  # bf16 training: grads -> fp32 main shard, main -> bf16 params
@@ -1189,7 +1194,8 @@ def predict(model: ModelConfig, layout: Layout, hw: Hardware, mode: str,
       exposed = max(W / buckets, W - window).  overlap_efficiency (0.5) is the share of the
       backward in which NS GEMMs and all-to-alls run without slowing the backward kernels
       they share the GPU and the network with: an assumption, not a measurement.  NS run
-      early is speculative under gradient clipping (docs/design.md), not counted here.
+      early is speculative: a clipped step redoes it (``run.clip_rate``), and
+      ``run.overlap_policy`` says when it speculates at all (``overlap_exposed``).
     """
     if mode not in _MODE_COSTS:
         raise ValueError(f"unknown mode {mode!r}; choose one of {MODES + EXTRA_MODES}")
@@ -1211,8 +1217,10 @@ def predict(model: ModelConfig, layout: Layout, hw: Hardware, mode: str,
     if mode == "dmuon_overlap":
         work = bd["muon_comm"] + bd["ns"] + bd["owned"]
         window = run.overlap_efficiency * (1 - 1 / nb) * max(0.0, fb["bwd"] - c.grad_sync)
-        core = core - work + _hidden(work, window, nb)
-        notes.append(f"overlap: window {window * 1e3:.2f} ms over {nb} buckets")
+        exposed_work, policy = overlap_exposed(work, _hidden(work, window, nb), run, layout.pp)
+        core = core - work + exposed_work
+        notes.append(f"overlap ({policy}, clip rate {run.clip_rate:g}): window "
+                     f"{window * 1e3:.2f} ms over {nb} buckets")
     pg_exposed = pg if pg_in_step else _hidden(pg, fb["fwd"] * (1 - 1 / nb), nb)
     exposed = core + pg_exposed
     if run.overlap_grad_reduce:
@@ -1234,6 +1242,37 @@ def predict(model: ModelConfig, layout: Layout, hw: Hardware, mode: str,
         opt_recv_bytes=c.muon_recv + c.pg_recv, memory_bytes=memory, state_bytes=c.opt_state,
         muon_state_bytes=c.muon_state,
         imbalance=c.imbalance, breakdown=bd, notes=notes)
+
+
+# SpeculationGate's defaults (megatron_muon.megatron.overlap): a probe window runs RUN
+# iterations of each mode every EVERY steps, so the worse mode takes RUN / EVERY of the steps.
+PROBE_RUN, PROBE_EVERY = 3, 100
+OVERLAP_POLICIES = ("on", "auto", "off")
+
+
+def overlap_exposed(work: float, hidden: float, run: RunConfig, pp: int) -> tuple:
+    """(exposed seconds of DMuon's owner work ``work``, the policy that ran) under
+    ``run.overlap_policy``; ``hidden``: what stays exposed of a speculation that is used.
+
+    - 'off' (and 'auto' without PP): the plain step, all of ``work`` in the step;
+    - 'on': every step speculates; a share ``clip_rate`` of the steps redoes the owner work
+      in the step after its speculation ran, so they pay ``work`` again:
+      ``hidden + clip_rate * work``;
+    - 'auto' with PP > 1 (``measured``): the gate keeps the cheaper mode and probes the
+      other one RUN of every EVERY steps: ``best + RUN / EVERY * (worst - best)``.
+    """
+    if run.overlap_policy not in OVERLAP_POLICIES:
+        raise ValueError(f"overlap_policy must be one of {OVERLAP_POLICIES}, got "
+                         f"{run.overlap_policy!r}")
+    if not 0.0 <= run.clip_rate <= 1.0:
+        raise ValueError(f"clip_rate is a share of steps in [0, 1], got {run.clip_rate}")
+    on = hidden + run.clip_rate * work
+    if run.overlap_policy == "off" or (run.overlap_policy == "auto" and pp == 1):
+        return work, "off"
+    if run.overlap_policy == "on":
+        return on, "on"
+    best, worst = sorted((on, work))
+    return best + PROBE_RUN / PROBE_EVERY * (worst - best), "measured"
 
 
 def layout_for(world: int, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,

@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # GPU check of the batched Newton-Schulz kernels (megatron_muon.kernels).
 #
-# Run from the repository root with python3 on PATH (torch, triton; megatron-core not
-# needed).  Budget: the per-part limits add up to < 8 minutes on one H200.  On CUDA it
+# Run from the repository root with python3 on PATH (torch, triton; megatron-core for the
+# end-to-end part, Transformer Engine optional).  Budget: the per-part limits add up to
+# 475 s (< 8 minutes) on one H200.  On CUDA it
 #   1. checks the Triton kernels against torch at realistic sizes in fp32 and bf16,
 #   2. tunes the bench shapes with NSTuner and prints its table,
 #   3. measures NS throughput (TFLOP/s, % of bf16 peak) batched vs per-matrix loop
-#      with tools/bench_ns.py.
+#      with tools/bench_ns.py (the bf16 hidden-1024 row has the end-to-end model's shapes),
+#   4. runs the main job end to end on one GPU (examples/pretrain_gpt.py, CUDA, bf16, the
+#      Transformer Engine layer spec when it imports, 8 layers hidden 1024): AdamW, then
+#      dmuon with its default overlap policy ('auto', off at PP1) and the tuner choosing
+#      the NS backend, dmuon with Gram NS, dmuon with the Triton backend; it prints each
+#      run's step time against AdamW's and its max memory allocated.
 # Without CUDA it runs the CPU-safe parts (a tiny interpreted Triton check and a small
 # CPU bench), says it skipped the GPU parts, and exits 0.
 # Results: ${OUT:-/tmp}/gpu_check.txt (and the tuner cache next to it).
@@ -58,7 +64,7 @@ else
 fi
 
 if [ "$HAVE_CUDA" -eq 1 ]; then
-    step "triton vs torch on CUDA (realistic sizes, fp32 + bf16)" 140 "$PY" - <<'EOF'
+    step "triton vs torch on CUDA (realistic sizes, fp32 + bf16)" 100 "$PY" - <<'EOF'
 import sys, time, torch
 from megatron_muon.kernels import batched_newton_schulz
 from megatron_muon.core.newton_schulz import newton_schulz
@@ -98,7 +104,7 @@ for dtype in (torch.float32, torch.bfloat16):
 sys.exit(1 if bad else 0)
 EOF
 
-    step "tuner on the bench shapes (bf16)" 110 "$PY" - <<'EOF'
+    step "tuner on the bench shapes (bf16)" 60 "$PY" - <<'EOF'
 import torch
 from megatron_muon.kernels import NSTuner
 tuner = NSTuner(warmup=2, iters=5)
@@ -112,16 +118,54 @@ for row in tuner.table():
 print(f"cache: {tuner.cache_path}")
 EOF
 
-    step "bench bf16, 8 layers hidden 1024" 60 "$PY" tools/bench_ns.py --device cuda --dtype bf16 \
+    step "bench bf16, 8 layers hidden 1024" 45 "$PY" tools/bench_ns.py --device cuda --dtype bf16 \
         --backends torch_batched,torch_loop,triton --peak-tflops "$PEAK"
-    step "bench bf16, 4 layers hidden 4096 (bigger matrices)" 90 "$PY" tools/bench_ns.py --device cuda \
+    step "bench bf16, 4 layers hidden 4096 (bigger matrices)" 45 "$PY" tools/bench_ns.py --device cuda \
         --dtype bf16 --hidden 4096 --layers 4 --repeat 5 --backends torch_batched,torch_loop,triton \
         --peak-tflops "$PEAK"
-    step "bench fp32, 8 layers hidden 1024 (% of the bf16 peak)" 60 "$PY" tools/bench_ns.py --device cuda \
+    step "bench fp32, 8 layers hidden 1024 (% of the bf16 peak)" 35 "$PY" tools/bench_ns.py --device cuda \
         --dtype fp32 --repeat 5 --backends torch_batched,torch_loop,triton --peak-tflops "$PEAK"
+
+    # 4. the main job end to end on one GPU; limits 45+55+45+45 s (all parts: < 8 minutes)
+    E2E="$OUT_DIR/e2e"
+    mkdir -p "$E2E"
+    MODEL=(--nproc 1 --tensor-model-parallel-size 1 --bf16 --transformer-impl auto
+           --num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
+           --micro-batch-size 4 --global-batch-size 16 --train-iters 20 --log-interval 10)
+    step "e2e: AdamW (1 GPU, bf16)" 45 "$PY" examples/pretrain_gpt.py "${MODEL[@]}" \
+        --optimizer adam --log-json "$E2E/adam.json"
+    step "e2e: dmuon (overlap policy auto, tuner picks the NS backend)" 55 "$PY" \
+        examples/pretrain_gpt.py "${MODEL[@]}" --optimizer dmuon --dmuon-plan-cost tuner \
+        --log-json "$E2E/dmuon.json"
+    step "e2e: dmuon, Gram NS" 45 "$PY" examples/pretrain_gpt.py "${MODEL[@]}" \
+        --optimizer dmuon --muon-ns-method gram --log-json "$E2E/dmuon_gram.json"
+    step "e2e: dmuon, Triton NS backend" 45 "$PY" examples/pretrain_gpt.py "${MODEL[@]}" \
+        --optimizer dmuon --muon-ns-method standard --dmuon-ns-backend triton \
+        --log-json "$E2E/dmuon_triton.json"
+    "$PY" - "$E2E" <<'EOF' 2>&1 | tee -a "$REPORT"
+import json, os, sys
+names = ("adam", "dmuon", "dmuon_gram", "dmuon_triton")
+runs = {}
+for name in names:
+    path = os.path.join(sys.argv[1], name + ".json")
+    if os.path.exists(path):
+        runs[name] = json.load(open(path))["summary"]
+base = runs.get("adam", {}).get("step_ms")
+print("e2e summary (mean step after warm-up, max over ranks; NS TFLOP/s: the bf16 bench above)")
+for name, s in runs.items():
+    rel = f"{s['step_ms'] / base:.2f}x AdamW" if base else "-"
+    mem = s.get("max_memory_allocated_mib")
+    mem = f"{mem:.0f} MiB" if mem is not None else "n/a"
+    print(f"  {name:13s} step {s['step_ms']:8.1f} ms ({rel}), optimizer {s['optimizer_ms']:7.1f} "
+          f"ms, loss {s['first_loss']:.3f} -> {s['last_loss']:.3f}, max memory allocated {mem}")
+missing = [n for n in names if n not in runs]
+if missing:
+    print(f"  missing runs: {', '.join(missing)}")
+EOF
 else
     log ""
-    log "== no CUDA device: skipping the GPU parts (CUDA Triton check, tuner, GPU bench)"
+    log "== no CUDA device: skipping the GPU parts (CUDA Triton check, tuner, GPU bench," \
+        "end-to-end GPU run of examples/pretrain_gpt.py)"
     if "$PY" -c 'import triton' 2>/dev/null; then
         CHECK="$(mktemp "${TMPDIR:-/tmp}/ns_interp_XXXXXX.py")"
         cat > "$CHECK" <<'EOF'

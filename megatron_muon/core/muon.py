@@ -21,21 +21,40 @@ from megatron_muon.core.newton_schulz import muon_scale, newton_schulz, resolve_
 from megatron_muon.core.units import Unit, extract_unit, insert_unit, whole_units
 
 __all__ = ["Muon", "muon_update_direction", "check_muon_hyperparameters", "momentum_update",
-           "momentum_step", "decoupled_update", "check_finite_gradient", "evaluate_closure"]
+           "momentum_update_", "momentum_step", "decoupled_update", "decoupled_update_", "check_finite_gradient", "evaluate_closure"]
 
 
 def momentum_update(buf: torch.Tensor, grad: torch.Tensor, momentum: float,
                     nesterov: bool, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """M <- mu M + G in place; returns U = G + mu M (Nesterov) or M.  Shared by every Muon.
+    """M <- mu M + G in place; returns U = G + mu M (Nesterov) or M.  Shared by every Muon
+    (one tensor of ``momentum_update_``: the same ops, so every Muon agrees bitwise).
 
     ``out``: write U there (same values, no temporary) and return it.
     """
-    buf.mul_(momentum).add_(grad)
-    if out is None:
-        return grad.add(buf, alpha=momentum) if nesterov else buf
-    if nesterov:
-        return torch.add(grad, buf, alpha=momentum, out=out)
-    return out.copy_(buf)
+    return momentum_update_([buf], [grad], momentum, nesterov,
+                            None if out is None else [out])[0]
+
+
+def momentum_update_(bufs: list, grads: list, momentum: float, nesterov: bool,
+                     outs: Optional[list] = None) -> list:
+    """``momentum_update`` of many tensors at once: M <- mu M + G with two ``torch._foreach_*``
+    ops over all of them (one multi-tensor kernel each on GPUs), then U per tensor.
+
+    U = G + mu M is one ``torch.add(..., out=)`` per tensor: it reads G and M and writes U
+    once, where a foreach copy + add would pass over U twice (there is no foreach ``out=``).
+    """
+    if not bufs:
+        return []
+    torch._foreach_mul_(bufs, momentum)
+    torch._foreach_add_(bufs, grads)
+    if outs is None:
+        return torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else list(bufs)
+    for buf, grad, out in zip(bufs, grads, outs):
+        if nesterov:
+            torch.add(grad, buf, alpha=momentum, out=out)
+        else:
+            out.copy_(buf)
+    return outs
 
 
 def momentum_step(state: dict, grad: torch.Tensor, momentum: float,
@@ -68,6 +87,17 @@ def decoupled_update(p: torch.Tensor, direction: torch.Tensor, step: float,
     if decay != 1.0:
         p.mul_(decay)
     p.add_(direction, alpha=-step)
+
+
+def decoupled_update_(params: list, directions: list, step: float, decay: float = 1.0) -> None:
+    """``decoupled_update`` of many parameters sharing ``step`` and ``decay`` (one param
+    group): the same two ops as ``torch._foreach_*`` (multi-tensor kernels on GPUs), so the
+    result is bitwise that of ``decoupled_update`` on each."""
+    if not params:
+        return
+    if decay != 1.0:
+        torch._foreach_mul_(params, decay)
+    torch._foreach_add_(params, directions, alpha=-step)
 
 
 def check_finite_gradient(grad: torch.Tensor, who: str, what: str) -> None:

@@ -247,6 +247,15 @@ class OwnerCentricNS:
         self.gather_tables = dict(sorted(gather.items()))
         # Scatter: the owner sends from its unit buffer, the holder writes its flat buffer.
         self.scatter_tables = {} if replicate else dict(sorted(scatter.items()))
+        # Do the exchanges write every element of the owned buffer / of the flat output?
+        # (Units tile their matrices and pieces tile the shards, so normally yes; then the
+        # step allocates them without a zero-fill.)  Blocks never overlap, so counting
+        # elements decides it.
+        self.gather_covers = sum(_numel(b) for t in self.gather_tables.values()
+                                 for b in t.recv + [t.local]) == self.owned_numel
+        written = (_numel(self.local_copy) if replicate else
+                   sum(_numel(b) for t in self.scatter_tables.values() for b in t.recv + [t.local]))
+        self.scatter_covers = written == self.local_numel
 
     # ------------------------------------------------------------------ step
     def index_bytes(self) -> int:
@@ -307,7 +316,11 @@ class OwnerCentricNS:
             if post is not None:
                 o = post(keys, o.float())
             scale = muon_scale(m, n, self.scale_mode, self.extra_scale_factor)
-            out[off: off + count * m * n].view(count, m, n).copy_(o).mul_(scale)
+            dst = out[off: off + count * m * n].view(count, m, n)
+            if o.dtype == dst.dtype:  # one pass; the same fp32 multiply as copy + mul_
+                torch.mul(o, scale, out=dst)
+            else:  # round to fp32 first, then scale in fp32 (as the reference does)
+                dst.copy_(o).mul_(scale)
             del x, o
         return out
 
@@ -323,16 +336,20 @@ class OwnerCentricNS:
             _view(out, a, h, w, sa).copy_(_view(result, b, h, w, sb))
 
     def to_owners(self, local: torch.Tensor) -> torch.Tensor:
-        """Every bucket's gather: this rank's flat pieces -> a new buffer of its owned units."""
-        owned = torch.zeros(self.owned_numel, dtype=torch.float32, device=local.device)
+        """Every bucket's gather: this rank's flat pieces -> a new buffer of its owned units
+        (not zero-filled when the gathers write all of it, ``gather_covers``)."""
+        owned = (torch.empty if self.gather_covers else torch.zeros)(
+            self.owned_numel, dtype=torch.float32, device=local.device)
         for b in self.gather_tables:
             self.gather(local, b, owned)
         return owned
 
     def to_holders(self, result: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Every bucket's scatter (naive mode: the local copy): owned units -> ``out``, this
-        rank's flat pieces (zeroed first: elements no unit covers stay zero)."""
-        out.zero_()
+        rank's flat pieces (elements no unit covers are zeroed, unless there are none:
+        ``scatter_covers``)."""
+        if not self.scatter_covers:
+            out.zero_()
         if self.replicate:
             self.keep_local(result, out)
         else:
@@ -356,7 +373,7 @@ class OwnerCentricNS:
         with span("dmuon.ns"):
             result = self.orthogonalize(owned, out=owned, post=post)
         if out is None:
-            out = torch.empty_like(local)
+            out = torch.empty_like(local)  # to_holders zeroes what no unit covers
         with span("dmuon.scatter"):
             self.to_holders(result, out)
         return out

@@ -31,7 +31,7 @@ from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 from megatron_muon.core.lion import LION_STATE_KEYS, Lion
 from megatron_muon.core.moment2 import (moment2_expand, moment2_init, moment2_normalize,
                                         moment2_reduce)
-from megatron_muon.core.muon import decoupled_update, momentum_update
+from megatron_muon.core.muon import decoupled_update, decoupled_update_, momentum_update_
 from megatron_muon.distributed.owner_centric import OwnerCentricNS, Piece, ShardedMatrix
 from megatron_muon.core.plan import UnitTask, flops_cost, plan_owners
 from megatron_muon.megatron import compat
@@ -226,14 +226,14 @@ class ShardedMuonStep(torch.optim.Optimizer):
         self.init_state()
         # One shard-sized transient: U is written straight into its slice of ``flat``, and
         # the engine writes the NS pieces back over it (docs/design.md, DMuon's memory).
-        flat = torch.zeros(self.numel, dtype=torch.float32, device=self.engine.device)
-        mu = self.momentum
-        for group in self.param_groups:
-            for p in group["params"]:
-                st = self.state[p]
-                g = p.grad if p.grad is not None else torch.zeros_like(p)
-                momentum_update(st["momentum_buffer"], g, mu, self.nesterov,
-                                out=flat[self.offsets[p]: self.offsets[p] + p.numel()].view_as(p))
+        # ``flat_offsets`` tiles it with the parameters, so every element is written: no
+        # zero-fill.
+        flat = torch.empty(self.numel, dtype=torch.float32, device=self.engine.device)
+        for group in self.param_groups:  # momentum of the whole group (foreach)
+            ps = group["params"]
+            momentum_update_([self.state[p]["momentum_buffer"] for p in ps],
+                             [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps],
+                             self.momentum, self.nesterov, [self._slice(flat, p) for p in ps])
         if self.check_finite and not bool(torch.isfinite(flat).all()):
             raise FloatingPointError(
                 "DMuon: non-finite (NaN/Inf) Muon gradient or momentum; with fp16 use a loss "
@@ -248,9 +248,14 @@ class ShardedMuonStep(torch.optim.Optimizer):
             out = self.engine.run(flat, out=flat,
                                   post=self._moment2_post if self.moment2 is not None else None)
         for group in self.param_groups:
-            for p in group["params"]:
-                o = out[self.offsets[p]: self.offsets[p] + p.numel()].view_as(p)
-                self.apply_update(p, o, group["lr"], group["weight_decay"])
+            ps = group["params"]
+            lr, wd = group["lr"], group["weight_decay"]
+            # W <- W (1 - lr wd) - lr O for the whole group (``apply_update``'s ops, foreach)
+            decoupled_update_(ps, [self._slice(out, p) for p in ps], lr, 1.0 - lr * wd)
+
+    def _slice(self, flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s slice of DMuon's flat step buffer, shaped like ``p``."""
+        return flat[self.offsets[p]: self.offsets[p] + p.numel()].view_as(p)
 
     def _moment2_state_of(self, key: str, m: int, n: int) -> torch.Tensor:
         st = self.moment2_state.get(key)

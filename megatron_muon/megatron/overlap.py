@@ -28,15 +28,19 @@ pays only where the owner work hides, so the policy (``dmuon_overlap``, resolved
 ``'auto'`` gives with pipeline parallelism, where stages that finish early wait in the
 cool-down) backs off: after a step that redid (or dropped) the speculation it skips the
 next k backward passes (k = 1, 2, 4, ... up to ``MAX_BACKOFF`` while they keep failing,
-back to 1 after a used speculation).  A skipped step runs exactly the non-overlapped step:
-no hook does anything, ``take`` returns None without the agreement all-reduce (every rank
-of the group takes the same decision: it depends only on agreed outcomes), so its result
-is bitwise that of ``dmuon_overlap='off'``.
+back to 1 after a used speculation), and it is measured (``SpeculationGate``): every
+100 steps (from step 8 on) a probe window times 3 speculating and 3 plain iterations and
+the stage keeps speculating only if that was faster.  A skipped step runs exactly the
+non-overlapped step: no hook does anything, ``take`` returns None without the agreement
+all-reduce (every rank of the group takes the same decision: it depends only on agreed
+outcomes and on timings maximised over the group), so its result is bitwise that of
+``dmuon_overlap='off'``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -49,7 +53,7 @@ from megatron_muon.megatron import hooks
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DMuonOverlap", "OverlapStats"]
+__all__ = ["DMuonOverlap", "OverlapStats", "SpeculationGate"]
 
 
 @dataclass
@@ -58,11 +62,12 @@ class OverlapStats:
     used: int = 0  # optimizer steps that used the speculative result
     redone: int = 0  # optimizer steps whose gradients differed (clipping, ...): redo
     dropped: int = 0  # speculations never consumed (found-inf skipped the step, ...)
-    skipped: int = 0  # backward passes the adaptive policy did not speculate in (back-off)
+    skipped: int = 0  # backward passes the adaptive policy did not speculate in
+    probes: int = 0  # probe windows the adaptive policy measured (``SpeculationGate``)
 
     def as_dict(self) -> dict:
         return dict(speculated=self.speculated, used=self.used, redone=self.redone,
-                    dropped=self.dropped, skipped=self.skipped)
+                    dropped=self.dropped, skipped=self.skipped, probes=self.probes)
 
 
 @dataclass
@@ -113,6 +118,80 @@ class _Deferred:
     done: set = field(default_factory=set)
 
 
+class SpeculationGate:
+    """Whether ``dmuon_overlap='auto'`` speculates: measured, so that it never costs more
+    than the plain step for long.
+
+    Every ``every`` optimizer steps from step ``first`` on, a probe window of ``2 * run``
+    steps runs ``run`` speculating iterations, then ``run`` plain ones, whatever the back-off
+    says.  An iteration's period is the time between two consecutive ``optimizer.step()``
+    calls (forward, backward, speculation, step, and any deferred update of the previous
+    step); the first iteration of each run is a transition (it holds the previous mode's
+    deferred update) and is not counted, nor is a period that spans a skipped (found-inf)
+    step.  At the end of the window the mean periods of the two modes, maximised over the
+    exchange group (``reduce``: the same numbers, hence the same verdict, on every rank), decide
+    the steps until the next window: speculate (with the back-off) only if that was faster.
+    Outside the windows the cost over the better mode is therefore nothing; a window costs
+    at most ``run`` iterations of the worse mode every ``every`` steps (``run / every`` of the
+    difference, 3 % of it with the defaults).  Before step ``first`` the back-off alone rules.
+
+    Pure bookkeeping (``clock`` and ``reduce`` are injected): every rank calls
+    ``begin_pass`` once per backward pass and ``end_step`` once per optimizer step, in the
+    same order, so every decision is identical on every rank of the group.
+    """
+
+    def __init__(self, first: int = 8, every: int = 100, run: int = 3, clock=time.perf_counter):
+        if run < 2 or every < 2 * run or first < 0:
+            raise ValueError(f"SpeculationGate needs run >= 2, every >= 2 * run and first >= 0; "
+                             f"got first={first}, every={every}, run={run}")
+        self.first, self.every, self.run, self.clock = first, every, run, clock
+        self.steps = 0  # optimizer steps so far (end_step calls): the same on every rank
+        self.passes = 0  # backward passes since the last optimizer step
+        self.last: Optional[float] = None  # clock at the last end_step
+        self.samples: dict = {True: [], False: []}
+        self.verdict = True  # outside the windows: speculate (subject to the back-off)?
+        self.probes = 0  # probe windows completed
+        self.decisions: list = []  # (step, mean speculating period, mean plain period, verdict)
+
+    def forced(self, step: int) -> Optional[bool]:
+        """The mode a probe window forces on the iteration of optimizer step ``step``
+        (True: speculate, False: plain), or None outside the windows."""
+        if step < self.first:
+            return None
+        pos = (step - self.first) % self.every
+        return None if pos >= 2 * self.run else pos < self.run
+
+    def begin_pass(self, backoff_allows: bool) -> bool:
+        """Whether the backward pass that starts now speculates."""
+        self.passes += 1
+        forced = self.forced(self.steps)
+        return forced if forced is not None else (self.verdict and backoff_allows)
+
+    def end_step(self, reduce=None) -> None:
+        """An optimizer step is taken: record its iteration's period; at the end of a probe
+        window, decide (``reduce(list of floats) -> list``: the maximum over the group)."""
+        now = self.clock()
+        step, forced = self.steps, self.forced(self.steps)
+        if forced is not None:
+            pos = (step - self.first) % self.every
+            if pos % self.run != 0 and self.last is not None and self.passes == 1:
+                self.samples[forced].append(now - self.last)
+            if pos == 2 * self.run - 1:
+                self._decide(step, reduce)
+        self.steps, self.passes, self.last = step + 1, 0, now
+
+    def _decide(self, step: int, reduce) -> None:
+        spec, plain = self.samples[True], self.samples[False]
+        means = [sum(spec) / len(spec) if spec else -1.0, sum(plain) / len(plain) if plain else -1.0]
+        if reduce is not None:
+            means = reduce(means)
+        if min(means) > 0:  # both modes measured (-1: no clean period of that mode)
+            self.verdict = means[0] < means[1]
+        self.decisions.append((step, means[0], means[1], self.verdict))
+        self.samples = {True: [], False: []}
+        self.probes += 1
+
+
 class DMuonOverlap:
     """Hooks one ``DMuonDistributedOptimizer`` into its DDP chunks' grad-sync calls
     (through ``megatron_muon.megatron.hooks``; ``remove()`` takes the hooks back).
@@ -138,6 +217,7 @@ class DMuonOverlap:
         self.next = 0
         self.finished_chunks: set = set()
         self.adaptive = adaptive
+        self.gate = SpeculationGate() if adaptive else None  # measured on/off ('auto')
         self.backoff = 1  # passes to skip after the next miss
         self.skip_left = 0  # passes still to skip
         self.active: Optional[bool] = None  # this backward pass speculates; None: undecided
@@ -197,10 +277,13 @@ class DMuonOverlap:
                 self.spec = None
                 self.stats.dropped += 1
                 self._outcome(False)
-            self.active = not (self.adaptive and self.skip_left > 0)
+            backoff_allows = not (self.adaptive and self.skip_left > 0)
+            if self.skip_left > 0:
+                self.skip_left -= 1  # the back-off counts backward passes
+            self.active = self.gate.begin_pass(backoff_allows) if self.gate is not None \
+                else backoff_allows
             self.skipped_last = not self.active
             if not self.active:
-                self.skip_left -= 1
                 self.stats.skipped += 1
         return self.active
 
@@ -301,6 +384,9 @@ class DMuonOverlap:
         With ``param_update`` a used speculation is kept as deferred work (``flush``):
         ``self.deferred`` is then set and the caller must not apply the update itself.
         """
+        if self.gate is not None:
+            self.gate.end_step(self._max_over_group)
+            self.stats.probes = self.gate.probes
         spec, self.spec = self.spec, None
         if spec is None and self.skipped_last:
             self.skipped_last = False  # skipped by the policy on every rank: the plain step
@@ -326,6 +412,14 @@ class DMuonOverlap:
         else:
             self.stats.dropped += 1
         return None
+
+    def _max_over_group(self, values: list) -> list:
+        """The element-wise maximum of ``values`` over the exchange group (the gate's
+        verdict is then the same on every rank)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.engine.device)
+        if self.engine.group is not None and self.engine.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.engine.group)
+        return t.tolist()
 
     @torch.no_grad()
     def flush(self, i: int) -> None:

@@ -1,0 +1,76 @@
+"""SpeculationGate ('auto' overlap measures itself), single process with an injected clock:
+the speculating mode is kept only where it was measured faster, the probe windows force
+both modes, transitions and found-inf periods are not counted, and ``reduce`` (the
+group maximum in DMuon) decides."""
+import pytest
+
+from megatron_muon.megatron.overlap import SpeculationGate
+
+
+def drive(gate, cost, steps, backoff=lambda s: True, skip_step_at=(), reduce=None):
+    """Run ``steps`` iterations; an iteration in mode m takes cost[m] seconds (plus 0.5 s
+    for the first iteration after a switch: the deferred update it inherits)."""
+    t = [0.0]
+    gate.clock = lambda: t[0]
+    modes, prev = [], None
+    for s in range(steps):
+        m = gate.begin_pass(backoff(s))
+        t[0] += cost[m] + (0.5 if prev is not None and m != prev else 0.0)
+        prev = m
+        modes.append(m)
+        if s in skip_step_at:  # found-inf: Megatron skips optimizer.step(), no end_step
+            continue
+        gate.end_step(reduce)
+    return modes
+
+
+@pytest.mark.parametrize("spec_cost,verdict", [(1.0, True), (3.0, False)])
+def test_gate_keeps_the_faster_mode(spec_cost, verdict):
+    gate = SpeculationGate(first=2, every=10, run=3)
+    modes = drive(gate, {True: spec_cost, False: 2.0}, 22)
+    # before the first window: the back-off alone (here: always allows)
+    assert modes[:2] == [True, True]
+    # windows at steps 2..7 and 12..17 force 3 speculating, then 3 plain iterations
+    assert modes[2:8] == [True] * 3 + [False] * 3 and modes[12:18] == modes[2:8]
+    # between windows: the verdict; the transition's extra 0.5 s is not counted
+    assert modes[8:12] == [verdict] * 4 and modes[18:] == [verdict] * 4
+    assert gate.probes == 2
+    step, spec, plain, v = gate.decisions[0]
+    assert (step, spec, plain, v) == (7, spec_cost, 2.0, verdict)
+
+
+def test_gate_respects_the_backoff_and_skips_found_inf_periods():
+    gate = SpeculationGate(first=0, every=8, run=2)
+    # the back-off says no on steps 4, 5: outside the window the gate follows it, inside the
+    # window (steps 0-3, 8-11) the gate forces its modes
+    modes = drive(gate, {True: 1.0, False: 2.0}, 10, backoff=lambda s: s not in (4, 5, 8))
+    assert modes == [True, True, False, False, False, False, True, True, True, True]
+    # a backward pass whose step was skipped (found-inf): the next period spans two passes
+    gate = SpeculationGate(first=0, every=8, run=2)
+    drive(gate, {True: 1.0, False: 2.0}, 4, skip_step_at=(2,))
+    # steps: pass0 -> step0, pass1 -> step1 (counted), pass2 skipped, pass3 -> step2 (plain,
+    # first of its run: not counted), so the plain mode has no clean sample yet
+    assert gate.samples[True] == [1.0] and gate.samples[False] == []
+
+
+def test_gate_verdict_comes_from_the_reduced_means():
+    seen = []
+
+    def reduce(values):  # another rank of the group saw speculation slower
+        seen.append(list(values))
+        return [max(values[0], 5.0), values[1]]
+
+    gate = SpeculationGate(first=0, every=6, run=3)
+    drive(gate, {True: 1.0, False: 2.0}, 6, reduce=reduce)
+    assert seen == [[1.0, 2.0]] and gate.verdict is False
+    # no clean sample of one mode anywhere: the verdict stays
+    gate = SpeculationGate(first=0, every=6, run=3)
+    gate.verdict = False
+    gate._decide(5, None)
+    assert gate.verdict is False
+
+
+@pytest.mark.parametrize("kw", [dict(run=1), dict(every=5, run=3), dict(first=-1)])
+def test_gate_rejects_bad_schedules(kw):
+    with pytest.raises(ValueError, match="SpeculationGate needs"):
+        SpeculationGate(**kw)
