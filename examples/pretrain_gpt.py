@@ -179,6 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay")
     g.add_argument("--clip-grad", type=float, default=1.0,
                    help="clip the global gradient norm to this (0: off)")
+    g.add_argument("--qk-clip", action="store_true",
+                   help="QK-clip (MuonClip) after each step: rescale the Q and K rows of "
+                        "every head whose max attention logit passed --qk-clip-threshold, in "
+                        "the weights and in the optimizer's fp32 main-param shards")
+    g.add_argument("--qk-clip-threshold", type=float, default=100.0,
+                   help="max attention logit that QK-clip enforces (Megatron's default)")
+    g.add_argument("--qk-clip-alpha", type=float, default=0.5,
+                   help="share of the rescale that goes to Q (the rest to K)")
     g.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW beta1")
     g.add_argument("--adam-beta2", type=float, default=0.95, help="AdamW beta2")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
@@ -233,6 +241,13 @@ def check_args(args, world_size: int) -> None:
     if world_size % (tp * pp) != 0:
         raise UsageError(f"TP x PP = {tp} x {pp} = {tp * pp} does not divide the world size "
                          f"{world_size} (DP = world / (TP x PP) must be a whole number)")
+    if args.qk_clip:
+        from megatron_muon.core.qk_clip import check_qk_clip_settings
+
+        try:
+            check_qk_clip_settings(args.qk_clip_threshold, args.qk_clip_alpha)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     args.data_parallel_size = dp = world_size // (tp * pp)
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     args.num_query_groups = args.num_query_groups or args.num_attention_heads
@@ -488,7 +503,8 @@ def build_model(args) -> list:
         init_method_std=args.init_method_std, add_bias_linear=False,
         gated_linear_unit=args.swiglu,
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
-        gradient_accumulation_fusion=False, **cpu_only)
+        gradient_accumulation_fusion=False, qk_clip=args.qk_clip,
+        qk_clip_threshold=args.qk_clip_threshold, qk_clip_alpha=args.qk_clip_alpha, **cpu_only)
     if use_transformer_engine(args):
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec)
@@ -517,6 +533,10 @@ def build_model(args) -> list:
         build = matrix_placement_for(args).ddp
     model = [build(config=config, ddp_config=ddp_config, module=model)]
     wire_ddp_hooks(config, model, ddp_config)  # what Megatron-LM's training loop sets up
+    if args.qk_clip:  # local attention: record the max logits QK-clip needs (TE has its own)
+        from megatron_muon.megatron.qk_clip import install_max_logit_recorders
+
+        install_max_logit_recorders(model)
     return model
 
 
@@ -586,6 +606,10 @@ def train_step(args, model, optimizer, batches) -> tuple[float, float, float, fl
     updated, grad_norm, _ = optimizer.step()
     if check and updated and grad_norm is not None and not math.isfinite(grad_norm):
         raise NonFinite(f"gradient norm is {_kind(grad_norm)}")
+    if getattr(args, "qk_clip", False) and updated:  # Megatron-LM clips right after the step
+        from megatron_muon.megatron.qk_clip import clip_qk
+
+        args.max_attention_logit = clip_qk(model, optimizer)
     _sync()
     t2 = time.perf_counter()
     loss = float(torch.stack([x["lm loss"] for x in losses]).mean()) if losses else float("nan")
@@ -801,6 +825,8 @@ def train(args) -> None:
                 f"loss (mean over data-parallel ranks) is {_kind(loss)}"))
         log.append(dict(iter=step + 1, loss=loss, lr=lr, grad_norm=grad_norm,
                         fwd_bwd_ms=1e3 * t_fb, optimizer_ms=1e3 * t_opt))
+        if args.qk_clip:  # the max over the stage's heads before this step's clip
+            log[-1]["max_attention_logit"] = getattr(args, "max_attention_logit", 0.0)
         if (step + 1) % args.log_interval == 0 or step + 1 in (start + 1, args.train_iters):
             # Like Megatron-LM: loss and times are averages over the iterations since the
             # last line (this rank's times; the summary takes the max over ranks).
@@ -808,7 +834,8 @@ def train(args) -> None:
             avg = lambda key: sum(r[key] for r in recent) / len(recent)  # noqa: E731
             fb_ms, opt_ms = avg("fwd_bwd_ms"), avg("optimizer_ms")
             say(f" iter {step + 1:5d}/{args.train_iters} | loss {avg('loss'):7.4f} | "
-                f"lr {lr:.3e} | grad norm {grad_norm:6.3f} | "
+                f"lr {lr:.3e} | grad norm {grad_norm:6.3f} | " + (
+                    f"max logit {log[-1]['max_attention_logit']:6.2f} | " if args.qk_clip else "") +
                 f"{1e3 * tokens_per_step / (fb_ms + opt_ms):7.0f} tok/s | {fb_ms + opt_ms:7.1f} "
                 f"ms/step (fwd-bwd {fb_ms:.1f}, optimizer {opt_ms:.1f})")
             last_logged = step + 1
