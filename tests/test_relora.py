@@ -146,3 +146,20 @@ def test_resume_across_merge_is_bitwise(runs):
             for k, v in rec["final"].items():
                 assert torch.equal(rec["resumed_final"][k], v), (name, k)
             assert "run = 'smuon'" in rec["meta_error"] or "run = 'adam'" in rec["meta_error"]
+
+
+@pytest.mark.timeout(300)
+def test_recipe_bad_flags_fail_fast():
+    """examples/pretrain_relora.py rejects bad ReLoRA flags with one line, before any rank."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "pretrain_relora.py"
+    for flags, message in ((["--relora-every", "0"], "--relora-every must be >= 1"),
+                           (["--restart-warmup-iters", "60"], "must be below --relora-every")):
+        p = subprocess.run([sys.executable, str(script), *flags], capture_output=True,
+                           text=True, timeout=140)
+        assert p.returncode == 2, p.stderr[-2000:]
+        assert p.stderr.startswith("error: ") and message in p.stderr, p.stderr[-2000:]
+        assert len(p.stderr.strip().splitlines()) == 1, p.stderr[-2000:]
