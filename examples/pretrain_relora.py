@@ -184,7 +184,10 @@ def check_args(args, world: int) -> None:
     if args.load and not (Path(args.load) / "latest").is_file():
         raise UsageError(f"--load {args.load}: no checkpoint of this script there")
     if args.load_base:
-        finetune_lora.checkpoint_path(args.load_base)
+        try:
+            finetune_lora.checkpoint_path(args.load_base)
+        except UsageError as err:
+            raise UsageError(str(err).replace("--load ", "--load-base ", 1)) from None
     try:
         LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha, targets=args.lora_targets,
                    init=args.lora_init)
