@@ -173,6 +173,32 @@ class LoRAOptimizer:
         self.inner.load_state_dict(state["inner"])
         self._write_back()
 
+    @torch.no_grad()
+    def restart_adapters(self, factors: list, reset: str = "zero",
+                         prune_ratio: float = 0.0) -> None:
+        """After the adapters were merged and re-initialised (``peft/relora.py``): set the
+        masters to ``factors`` (full canonical ``(A, B)`` per adapter, in order, the values
+        just loaded into the adapters) and reset the inner optimizer's state: ``zero`` drops
+        it (a fresh optimizer), ``prune`` zeroes all but the ``1 - prune_ratio``
+        largest-magnitude entries of each state tensor (step counters are kept), ``keep``
+        leaves it.  Local: the state is replicated, so every rank does the same."""
+        from megatron_muon.peft.relora import _check_reset, prune_by_magnitude
+
+        _check_reset(reset, prune_ratio)
+        if len(factors) != len(self.masters):
+            raise ValueError(f"restart_adapters got {len(factors)} factor pairs for "
+                             f"{len(self.masters)} adapters")
+        for (A, B), (A_new, B_new) in zip(self.masters, factors):
+            A.copy_(A_new)
+            B.copy_(B_new)
+        if reset == "zero":
+            self.inner.state.clear()
+        elif reset == "prune":
+            for state in self.inner.state.values():
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.dim() > 0 and key != "step":
+                        prune_by_magnitude(value, prune_ratio)
+
     # ------------------------------------------------------------------ plans
     def _plan_gathers(self):
         """Adapters grouped by TP group (size > 1): one all_gather per group and step."""
