@@ -621,21 +621,12 @@ def launch_local(args, argv: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    pretrain_gpt._quiet_warnings(int(os.environ.get("RANK", 0)) if under_launcher else 0)
-    try:
-        args = get_args(argv)
-        if under_launcher:
-            if not args.load:
-                raise UsageError("under torchrun, give --load (a pretrain_gpt.py checkpoint)")
-            train(args)
-            return 0
-        return launch_local(args, argv)
-    except UsageError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
+    return pretrain_gpt.run_cli(argv, get_args, train, launch_local, check=_check_load)
+
+
+def _check_load(args, under_launcher: bool) -> None:
+    if under_launcher and not args.load:
+        raise UsageError("under torchrun, give --load (a pretrain_gpt.py checkpoint)")
 
 
 if __name__ == "__main__":

@@ -949,11 +949,20 @@ def _quiet_warnings(rank: int) -> None:
 
 
 def main(argv=None) -> int:
+    return run_cli(argv, get_args, train, launch_local)
+
+
+def run_cli(argv, get_args, train, launch_local, check=None) -> int:
+    """The examples' entry point: parse, then train (a rank under a launcher) or start the
+    local ranks; one ``error:`` line and exit code 2 for bad input, 1 for a failed run.
+    ``check(args, under_launcher)``: a script's own checks that need to know which it is."""
     argv = sys.argv[1:] if argv is None else argv
     under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     _quiet_warnings(int(os.environ.get("RANK", 0)) if under_launcher else 0)
     try:
         args = get_args(argv)
+        if check is not None:
+            check(args, under_launcher)
         if under_launcher:
             train(args)
             return 0

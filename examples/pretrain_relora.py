@@ -62,8 +62,7 @@ DEFAULT_LR = {"smuon": 0.02, "adam": 3e-3, "muon_factors": 0.02}
 UsageError = pretrain_gpt.UsageError
 
 
-class TrainingError(Exception):
-    pass
+TrainingError = pretrain_gpt.TrainingError
 
 
 # =========================================================================== arguments
@@ -427,25 +426,12 @@ def launch_local(args, argv: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    pretrain_gpt._quiet_warnings(int(os.environ.get("RANK", 0)) if under_launcher else 0)
-    try:
-        args = get_args(argv)
-        if args.nproc < 1:
-            raise UsageError("--nproc must be >= 1")
-        if under_launcher:
-            train(args)
-            return 0
-        return launch_local(args, argv)
-    except UsageError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
-    except TrainingError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-        return 1
+    return pretrain_gpt.run_cli(argv, get_args, train, launch_local, check=_check_nproc)
+
+
+def _check_nproc(args, under_launcher: bool) -> None:
+    if args.nproc < 1:
+        raise UsageError("--nproc must be >= 1")
 
 
 if __name__ == "__main__":

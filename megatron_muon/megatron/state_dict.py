@@ -66,6 +66,20 @@ class ModelSpaceStateMixin:
             sd["grad_scaler"] = self.grad_scaler.state_dict()
         return sd
 
+    def _load_group_state(self, state_dict, name: str) -> None:
+        """Non-parameter state of an inner optimizer that keeps no per-parameter step (DMuon,
+        Lion): each param group's settings, the completed steps, the grad scaler."""
+        self.optimizer.init_state()
+        saved = state_dict["optimizer"]["param_groups"]
+        if len(saved) != len(self.optimizer.param_groups):
+            raise ValueError(f"checkpoint has {len(saved)} {name} param groups, this model "
+                             f"{len(self.optimizer.param_groups)}")
+        for group, sg in zip(self.optimizer.param_groups, saved):
+            group.update({k: v for k, v in sg.items() if k not in ("params", "step")})
+        self.completed_steps = int(saved[0].get("step", 0)) if saved else 0
+        if self.grad_scaler and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
     def _managed_in_order(self) -> list:
         return [p for chunk in self.model_chunks for _, p in chunk.named_parameters()
                 if p in self._managed]
@@ -202,16 +216,7 @@ class DMuonStateMixin(ModelSpaceStateMixin):
         state_dict, param_state = self._split_param_state(state_dict)
         if self.is_stub_optimizer:
             return
-        self.optimizer.init_state()
-        saved = state_dict["optimizer"]["param_groups"]
-        if len(saved) != len(self.optimizer.param_groups):
-            raise ValueError(f"checkpoint has {len(saved)} DMuon param groups, this model "
-                             f"{len(self.optimizer.param_groups)}")
-        for group, sg in zip(self.optimizer.param_groups, saved):
-            group.update({k: v for k, v in sg.items() if k not in ("params", "step")})
-        self.completed_steps = int(saved[0].get("step", 0)) if saved else 0
-        if self.grad_scaler and "grad_scaler" in state_dict:
-            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        self._load_group_state(state_dict, "DMuon")
         if param_state is not None:
             moment2 = self.optimizer.moment2 is not None
             if moment2:  # the shard buffers the load fills
@@ -251,15 +256,6 @@ class LionStateMixin(ModelSpaceStateMixin):
         state_dict, param_state = self._split_param_state(state_dict)
         if self.is_stub_optimizer:
             return
-        self.optimizer.init_state()
-        saved = state_dict["optimizer"]["param_groups"]
-        if len(saved) != len(self.optimizer.param_groups):
-            raise ValueError(f"checkpoint has {len(saved)} Lion param groups, this model "
-                             f"{len(self.optimizer.param_groups)}")
-        for group, sg in zip(self.optimizer.param_groups, saved):
-            group.update({k: v for k, v in sg.items() if k not in ("params", "step")})
-        self.completed_steps = int(saved[0].get("step", 0)) if saved else 0
-        if self.grad_scaler and "grad_scaler" in state_dict:
-            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        self._load_group_state(state_dict, "Lion")
         if param_state is not None:
             self._load_model_space_state(param_state)
