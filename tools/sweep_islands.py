@@ -65,7 +65,7 @@ def get_args(argv=None):
                    help="DiLoCo outer lr = published 0.7 x each factor")
     p.add_argument("--isoloco-lr-scales", type=_floats, default=[1.0, 1.5, 2.5],
                    help="IsoLoCo outer lr = published 1.8 x each factor")
-    p.add_argument("--ns-lr-scales", type=_floats, default=[1.0],
+    p.add_argument("--ns-lr-scales", type=_floats, default=[],
                    help="isoloco-ns only at these factors (empty: --isoloco-lr-scales); "
                    "the NS-vs-SVD comparison pairs runs of equal lr")
     p.add_argument("--inner-steps", type=_ints, default=[5], help="H values")
