@@ -144,7 +144,8 @@ def main(argv=None) -> int:
                    help="DDP bucket size (elements); several buckets per stage")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--trace-dir", default="overlap_trace")
+    p.add_argument("--trace-dir", default=os.path.join("runs", "overlap_trace"),
+                   help="where the per-rank traces go (Perfetto JSON)")
     p.add_argument("--clip-grad", type=float, default=0.0)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
