@@ -21,7 +21,8 @@ from megatron_muon.core.newton_schulz import muon_scale, newton_schulz, resolve_
 from megatron_muon.core.units import Unit, extract_unit, insert_unit, whole_units
 
 __all__ = ["Muon", "muon_update_direction", "check_muon_hyperparameters", "momentum_update",
-           "momentum_update_", "momentum_step", "decoupled_update", "decoupled_update_", "check_finite_gradient", "evaluate_closure"]
+           "momentum_update_", "momentum_step", "decoupled_update", "decoupled_update_",
+           "check_finite_gradient", "evaluate_closure"]
 
 
 def momentum_update(buf: torch.Tensor, grad: torch.Tensor, momentum: float,
@@ -171,10 +172,10 @@ class Muon(torch.optim.Optimizer):
                                    coefficient_type=coefficient_type, scale_mode=scale_mode)
         check_moment2_hyperparameters(moment2, beta2, moment2_eps)
         self.moment2 = moment2
-        defaults = dict(beta2=beta2, moment2_eps=moment2_eps,lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                         ns_steps=ns_steps, coefficient_type=coefficient_type,
                         scale_mode=scale_mode, extra_scale_factor=extra_scale_factor, eps=eps,
-                        ns_method=ns_method)
+                        ns_method=ns_method, beta2=beta2, moment2_eps=moment2_eps)
         super().__init__(params, defaults)
         self._units = {}
         units = units or {}

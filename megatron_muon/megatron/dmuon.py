@@ -286,8 +286,7 @@ class ShardedMuonStep(torch.optim.Optimizer):
                                                          device=self.engine.device))
         for group in self.param_groups:
             for p in group["params"]:
-                o = self.offsets[p]
-                self.state[p]["moment2_buffer"] = flat[o: o + p.numel()].view_as(p)
+                self.state[p]["moment2_buffer"] = self._slice(flat, p)
 
     def moment2_from_shards(self) -> None:
         """Inverse of ``moment2_to_shards`` (after a load): gather each unit's element-shaped
@@ -295,8 +294,7 @@ class ShardedMuonStep(torch.optim.Optimizer):
         flat = torch.zeros(self.numel, dtype=torch.float32, device=self.engine.device)
         for group in self.param_groups:
             for p in group["params"]:
-                o = self.offsets[p]
-                flat[o: o + p.numel()].copy_(self.state[p].pop("moment2_buffer").view(-1))
+                self._slice(flat, p).copy_(self.state[p].pop("moment2_buffer"))
         owned = self.engine.to_owners(flat)
         for (off, count, m, n), keys in zip(self.engine.batches, self.engine.batch_keys):
             for i, key in enumerate(keys):

@@ -157,12 +157,14 @@ def _fork_ranks(target: str, tmp: Path, timeout: float, world_size: int, logs: l
             pipes.append(w)
             procs.append(_ForkedRank(pid, f"fork {target} rank {rank}"))
         procs.store = rendezvous_store()
-        for rank, w in enumerate(pipes):
+        for rank in range(world_size):
             env = {**rank_vars, **rank_env(rank, world_size, procs.store)}
             msg = repr(env).encode()
-            os.write(w, len(msg).to_bytes(8, "little") + msg)
-            os.close(w)
-        pipes = []
+            w = pipes.pop(0)  # no longer ours to close on failure, whatever happens next
+            try:
+                os.write(w, len(msg).to_bytes(8, "little") + msg)
+            finally:
+                os.close(w)
     except BaseException:
         for w in pipes:
             os.close(w)
