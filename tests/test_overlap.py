@@ -91,8 +91,10 @@ def test_overlapped_dmuon_equals_plain_dmuon(layout, tmp_path):
         check_trace(trace_dir, world=LAYOUTS[layout][1])
 
 
-# The adaptive policy ('auto' at PP2): steps 0 and 2 clip (redone: skip 1, then 2 steps),
-# step 3 would clip too (skipped: the plain step clips), step 5 is clean (used).
+# The adaptive policy ('auto' at PP2), its gate's verdict set to speculate and no probe
+# window in the run (the verdict's timing is tested in test_overlap_gate.py): steps 0 and 2
+# clip (redone: skip 1, then 2 steps), step 3 would clip too (skipped: the plain step
+# clips), step 5 is clean (used).
 AUTO_STEPS, AUTO_CLIP = 6, (0, 2, 3)
 
 
@@ -106,6 +108,7 @@ def test_auto_overlap_backs_off_and_equals_plain_dmuon():
                              cfg={"num_microbatches": m, "fp16": True, "num_layers": layers},
                              pp=pp, vpp=vpp, optimizer="dmuon", opt=OPT, steps=AUTO_STEPS,
                              clip_at_steps=AUTO_CLIP, params_each_step=True,
+                             overlap_gate=dict(first=100, verdict=True),
                              ddp=dict(overlap_grad_reduce=True, overlap_param_gather=True,
                                       bucket_size=3000)),
                         timeout=420)

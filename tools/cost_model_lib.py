@@ -1246,7 +1246,7 @@ def predict(model: ModelConfig, layout: Layout, hw: Hardware, mode: str,
 
 # SpeculationGate's defaults (megatron_muon.megatron.overlap): a probe window runs RUN
 # iterations of each mode every EVERY steps, so the worse mode takes RUN / EVERY of the steps.
-PROBE_RUN, PROBE_EVERY = 3, 100
+PROBE_RUN, PROBE_EVERY = 5, 100
 OVERLAP_POLICIES = ("on", "auto", "off")
 
 

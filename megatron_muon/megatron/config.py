@@ -175,8 +175,10 @@ class DMuonOptimizerConfig(OptimizerConfig):
         "speculatively at the end of each stage's backward pass instead of in "
         "optimizer.step(); the step uses it only if its gradients are bit-identical (no "
         "clipping), else redoes it. auto: only with pipeline parallelism (the work hides in "
-        "the cool-down) and adaptively (after a redone step it skips 1, 2, 4, ... up to 16 "
-        "steps, back to every step after a used one); off without PP and with --dmuon-zero3. "
+        "the cool-down), only while probe windows (5 + 5 steps every 100 from step 4) "
+        "measure every speculating step faster than every plain one, and adaptively (after "
+        "a redone step it skips 1, 2, 4, ... up to 16 steps, back to every step after a "
+        "used one); off without PP and with --dmuon-zero3. "
         "on: every step; on with --dmuon-zero3 is an error.",
         aliases={"--no-dmuon-overlap": "off"})
     dmuon_overlap_bucket_gather: bool = setting(
@@ -258,8 +260,8 @@ def resolve_overlap(overlap: Any, zero3: bool, pp_size: int, moment2: Optional[s
     """The DMuon overlap policy: ``'on'`` (speculate every step), ``'adaptive'`` or ``'off'``.
 
     ``'auto'`` is ``'adaptive'`` with pipeline parallelism (``pp_size > 1``: the owner work
-    hides in the cool-down of stages that finish early; speculation backs off after a redone
-    step) and ``'off'`` without it (DP/TP only: nothing to hide behind, the exact step runs
+    hides in the cool-down of stages that finish early; speculation runs only while measured
+    faster (``overlap.SpeculationGate``) and backs off after a redone step) and ``'off'`` without it (DP/TP only: nothing to hide behind, the exact step runs
     without speculation) or with ZeRO-3; bools are accepted (True/False = on/off).
     ``'on'`` with ZeRO-3 is rejected (``check_dmuon_settings`` already does at construction;
     this catches a field changed afterwards).  With ``moment2`` (AdaMuon / NorMuon) the

@@ -29,8 +29,8 @@ pays only where the owner work hides, so the policy (``dmuon_overlap``, resolved
 cool-down) backs off: after a step that redid (or dropped) the speculation it skips the
 next k backward passes (k = 1, 2, 4, ... up to ``MAX_BACKOFF`` while they keep failing,
 back to 1 after a used speculation), and it is measured (``SpeculationGate``): every
-100 steps (from step 8 on) a probe window times 3 speculating and 3 plain iterations and
-the stage keeps speculating only if that was faster.  A skipped step runs exactly the
+100 steps (from step 4 on) a probe window times 5 speculating and 5 plain iterations and
+the stage speculates only if every speculating iteration was faster than every plain one.  A skipped step runs exactly the
 non-overlapped step: no hook does anything, ``take`` returns None without the agreement
 all-reduce (every rank of the group takes the same decision: it depends only on agreed
 outcomes and on timings maximised over the group), so its result is bitwise that of
@@ -119,8 +119,8 @@ class _Deferred:
 
 
 class SpeculationGate:
-    """Whether ``dmuon_overlap='auto'`` speculates: measured, so that it never costs more
-    than the plain step for long.
+    """Whether ``dmuon_overlap='auto'`` speculates: only after it was measured faster, so
+    that it never costs more than the plain step for long.
 
     Every ``every`` optimizer steps from step ``first`` on, a probe window of ``2 * run``
     steps runs ``run`` speculating iterations, then ``run`` plain ones, whatever the back-off
@@ -128,19 +128,24 @@ class SpeculationGate:
     calls (forward, backward, speculation, step, and any deferred update of the previous
     step); the first iteration of each run is a transition (it holds the previous mode's
     deferred update) and is not counted, nor is a period that spans a skipped (found-inf)
-    step.  At the end of the window the mean periods of the two modes, maximised over the
-    exchange group (``reduce``: the same numbers, hence the same verdict, on every rank), decide
-    the steps until the next window: speculate (with the back-off) only if that was faster.
-    Outside the windows the cost over the better mode is therefore nothing; a window costs
-    at most ``run`` iterations of the worse mode every ``every`` steps (``run / every`` of the
-    difference, 3 % of it with the defaults).  Before step ``first`` the back-off alone rules.
+    step.  At the end of the window each period, maximised over the exchange group
+    (``reduce``: the same numbers, hence the same verdict, on every rank), decides the steps
+    until the next window: speculate (with the back-off) only if *every* speculating period
+    was shorter than *every* plain one.  That is a one-sided exact rank test: if the two
+    modes cost the same, all orders of the 2 (run - 1) periods are equally likely and this
+    one has probability 1 / C(2 (run - 1), run - 1) (1/70 with the defaults), so noise
+    alone rarely turns speculation on, and a gain larger than the spread of the periods
+    always does.  Before the first window the plain step runs.  Outside the windows the cost
+    over the better mode is therefore nothing; a window costs at most ``run`` iterations of
+    the worse mode every ``every`` steps (``run / every`` of the difference, 5 % of it with
+    the defaults).
 
     Pure bookkeeping (``clock`` and ``reduce`` are injected): every rank calls
     ``begin_pass`` once per backward pass and ``end_step`` once per optimizer step, in the
     same order, so every decision is identical on every rank of the group.
     """
 
-    def __init__(self, first: int = 8, every: int = 100, run: int = 3, clock=time.perf_counter):
+    def __init__(self, first: int = 4, every: int = 100, run: int = 5, clock=time.perf_counter):
         if run < 2 or every < 2 * run or first < 0:
             raise ValueError(f"SpeculationGate needs run >= 2, every >= 2 * run and first >= 0; "
                              f"got first={first}, every={every}, run={run}")
@@ -149,15 +154,16 @@ class SpeculationGate:
         self.passes = 0  # backward passes since the last optimizer step
         self.last: Optional[float] = None  # clock at the last end_step
         self.samples: dict = {True: [], False: []}
-        self.verdict = True  # outside the windows: speculate (subject to the back-off)?
+        self.verdict = False  # outside the windows: speculate (subject to the back-off)?
         self.probes = 0  # probe windows completed
-        self.decisions: list = []  # (step, mean speculating period, mean plain period, verdict)
+        # (step, speculating periods, plain periods, verdict), periods group-maximised
+        self.decisions: list = []
 
     def forced(self, step: int) -> Optional[bool]:
         """The mode a probe window forces on the iteration of optimizer step ``step``
         (True: speculate, False: plain), or None outside the windows."""
         if step < self.first:
-            return None
+            return None  # the verdict rules: plain until a window measured speculation faster
         pos = (step - self.first) % self.every
         return None if pos >= 2 * self.run else pos < self.run
 
@@ -169,25 +175,31 @@ class SpeculationGate:
 
     def end_step(self, reduce=None) -> None:
         """An optimizer step is taken: record its iteration's period; at the end of a probe
-        window, decide (``reduce(list of floats) -> list``: the maximum over the group)."""
+        window, decide (``reduce(list of floats) -> list``: the element-wise maximum over
+        the group)."""
         now = self.clock()
-        step, forced = self.steps, self.forced(self.steps)
-        if forced is not None:
+        step = self.steps
+        if step >= self.first:
             pos = (step - self.first) % self.every
-            if pos % self.run != 0 and self.last is not None and self.passes == 1:
-                self.samples[forced].append(now - self.last)
-            if pos == 2 * self.run - 1:
-                self._decide(step, reduce)
+            if pos < 2 * self.run:
+                if pos % self.run != 0 and self.last is not None and self.passes == 1:
+                    self.samples[pos < self.run].append(now - self.last)
+                if pos == 2 * self.run - 1:
+                    self._decide(step, reduce)
         self.steps, self.passes, self.last = step + 1, 0, now
 
     def _decide(self, step: int, reduce) -> None:
-        spec, plain = self.samples[True], self.samples[False]
-        means = [sum(spec) / len(spec) if spec else -1.0, sum(plain) / len(plain) if plain else -1.0]
+        n = self.run - 1  # counted periods per mode (the first of each run is a transition)
+        # fixed length on every rank; -1 marks a period not measured (found-inf)
+        values = [(self.samples[m] + [-1.0] * n)[:n] for m in (True, False)]
+        flat = values[0] + values[1]
         if reduce is not None:
-            means = reduce(means)
-        if min(means) > 0:  # both modes measured (-1: no clean period of that mode)
-            self.verdict = means[0] < means[1]
-        self.decisions.append((step, means[0], means[1], self.verdict))
+            flat = reduce(flat)
+        spec = [v for v in flat[:n] if v > 0]
+        plain = [v for v in flat[n:] if v > 0]
+        if spec and plain:  # both modes measured; else the verdict stays
+            self.verdict = max(spec) < min(plain)
+        self.decisions.append((step, spec, plain, self.verdict))
         self.samples = {True: [], False: []}
         self.probes += 1
 

@@ -51,7 +51,8 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
                    checkpoint: Optional[dict] = None, inf_at_step: Optional[int] = None,
                    params_each_step: bool = False, clip_at_steps: tuple = (),
                    trace_dir: Optional[str] = None, record_muon_collectives: bool = False,
-                   matrix_placement: bool = True, recheck_max_logit: bool = False) -> dict:
+                   matrix_placement: bool = True, recheck_max_logit: bool = False,
+                   overlap_gate: Optional[dict] = None) -> dict:
     """Train the tiny GPT for ``steps`` steps; return losses and (TP-gathered) parameters.
 
     ``inf_at_step`` writes an Inf into every rank's reduced gradient buffer at that step
@@ -64,6 +65,9 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
     ``cfg['extra']`` the model is QK-clipped after every step (``max_logits``: the max logit
     of each step); ``recheck_max_logit`` then runs the last step's batch forward once more
     and returns the max logit of the clipped weights (``max_logit_after``).
+    ``overlap_gate`` replaces the 'auto' overlap's ``SpeculationGate`` by one built from
+    these arguments, its ``verdict`` set (``verdict=True``: as after a window that measured
+    speculation faster), to test the back-off without a timing-dependent verdict.
     """
     from megatron.core.distributed import DistributedDataParallelConfig
 
@@ -85,6 +89,16 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
                       placement=placement)
     optim = get_megatron_optimizer(ocfg, model)
     sched = constant_scheduler(optim, ocfg)
+    if overlap_gate is not None:
+        from megatron_muon.megatron.overlap import SpeculationGate
+
+        gate_kw = dict(overlap_gate)
+        verdict = gate_kw.pop("verdict", False)
+        for sub in getattr(optim, "chained_optimizers", [optim]):
+            ov = getattr(getattr(sub, "optimizer", None), "overlap", None)
+            if ov is not None and ov.gate is not None:
+                ov.gate = SpeculationGate(**gate_kw)
+                ov.gate.verdict = verdict
     recorder = None
     if record_muon_collectives:
         from megatron_muon.testing.collectives import CollectiveRecorder
