@@ -46,3 +46,38 @@ def test_a_column_shard_and_a_qkv_unit_are_one_block_each():
     sel = pos >= 0
     blocks = joint_blocks(torch.nonzero(sel).squeeze(1), pos[sel])
     assert len(blocks) == 1 and blocks[0][2] == 4  # 4 groups of 8 contiguous rows
+
+
+def test_ns_batches_are_capped_and_give_the_same_result():
+    """One rank, group None: same-shape units are batched up to ``ns_batch_numel`` elements
+    (a larger unit alone), and capping the batches changes no result.  The tolerance is
+    exact equality: on every device a batched NS applies the same per-matrix operations,
+    and only the batch count differs (checked here on the CPU; torch's CPU bmm runs one
+    GEMM per matrix)."""
+    from megatron_muon.core.units import whole_units
+    from megatron_muon.distributed.owner_centric import OwnerCentricNS, Piece, ShardedMatrix
+    from megatron_muon.core.plan import UnitTask, plan_owners
+
+    shapes = [(16, 8)] * 5 + [(8, 32)] * 3 + [(64, 64)]
+    mats, off = [], 0
+    for k, shape in enumerate(shapes):
+        n = shape[0] * shape[1]
+        mats.append(ShardedMatrix(f"w{k}", shape, tuple(whole_units(shape)), None, 1,
+                                  (Piece(0, 0, 0, n, off),)))
+        off += n
+
+    def engine(cap):
+        plan = plan_owners([UnitTask(m.unit_key(0), m.shape, 1.0) for m in mats], 1)
+        return OwnerCentricNS(mats, plan, None, ns_steps=5, coefficients="quintic",
+                              scale_mode="spectral", extra_scale_factor=1.0,
+                              ns_dtype=torch.float32, device=torch.device("cpu"),
+                              ns_batch_numel=cap)
+
+    whole, capped = engine(1 << 22), engine(2 * 128)
+    assert sorted(b[1:] for b in whole.batches) == sorted([(5, 16, 8), (1, 64, 64), (3, 8, 32)])
+    counts = sorted(b[1:] for b in capped.batches)
+    assert counts == sorted([(2, 16, 8), (2, 16, 8), (1, 16, 8), (1, 64, 64),
+                             (1, 8, 32), (1, 8, 32), (1, 8, 32)])
+    assert sum(len(k) for k in capped.batch_keys) == len(shapes)
+    x = torch.randn(off, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(whole.run(x.clone()), capped.run(x.clone()))

@@ -12,7 +12,10 @@ at the start of the phase (``/proc/self/clear_refs``); on CUDA it is
 ``torch.cuda.max_memory_allocated`` (reset likewise).  ``above imports`` subtracts the
 resident set after importing torch and Megatron (the same for every variant), and
 ``B/param`` is that divided by the parameters of the rank's model replica (the model over
-TP).  The table prints the max over ranks and each variant's ratio to AdamW.  Megatron-Core's
+TP).  ``held`` is what stays allocated between steps (``held_bytes``: live tensors, so on
+CPU free of what glibc keeps in its heap after a free).  ``--malloc-mmap-threshold`` fixes
+glibc's mmap threshold in every rank (e.g. 1048576), so that freed large blocks go back to
+the OS and CPU peaks follow live tensors more closely, as CUDA's max allocated does.  The table prints the max over ranks and each variant's ratio to AdamW.  Megatron-Core's
 own Muon (``optimizer='muon'``, layer-wise distributed) runs where the installed
 megatron-core has it and ``emerging_optimizers`` imports; otherwise the row says why.
 
@@ -64,6 +67,28 @@ def peak_bytes() -> int:
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
     return 1024 * _status_kib("VmHWM")
+
+
+def held_bytes() -> int:
+    """Bytes of live tensors now: CUDA's allocated bytes, or on CPU the storages of every
+    tensor the garbage collector can reach (each storage once).  Between steps that is what
+    the variant holds (parameters, gradient buffers, optimizer state), free of whatever the
+    C heap keeps after tensors are freed."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+    import gc
+
+    gc.collect()
+    storages = {}
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and o.device.type == "cpu":
+            try:
+                st = o.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # tensors without a storage
+                continue
+            storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
 
 
 def current_bytes() -> int:
@@ -125,6 +150,7 @@ def worker(cfg: dict, tp: int, variant: str, steps: int, save_dir: str) -> dict:
     dist.barrier()
     out["steady"] = peak_bytes()
     out["step_s"] = (time.perf_counter() - t0) / steps
+    out["held"] = held_bytes()
     if variant == "mcore_muon":
         out["save"] = None  # saved through Megatron-LM's own checkpointing, not this path
     else:
@@ -153,6 +179,11 @@ def main(argv=None) -> int:
                    help=f"comma-separated subset of {','.join(VARIANTS)}")
     p.add_argument("--timeout", type=float, default=1800, help="per variant, seconds")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
+                   help="CPU: set glibc's MALLOC_MMAP_THRESHOLD_ in every rank, so that blocks "
+                        "of at least BYTES are mmapped and returned to the OS when freed "
+                        "(glibc otherwise raises the threshold as large blocks are freed and "
+                        "keeps later ones in its heap: peaks then include freed memory)")
     a = p.parse_args(argv)
     variants = [v for v in a.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -167,6 +198,9 @@ def main(argv=None) -> int:
                ffn_hidden_size=a.ffn_hidden_size, num_attention_heads=a.num_attention_heads,
                num_query_groups=None, vocab_size=a.vocab_size, seq_length=a.seq_length,
                micro_batch_size=1, num_microbatches=1)
+    env = {"PYTHONPATH": os.getcwd()}
+    if a.malloc_mmap_threshold is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(a.malloc_mmap_threshold)
     results, t0 = {}, time.time()
     for v in variants:
         print(f"[bench_memory] {v}: launching {a.nproc} ranks ...", flush=True)
@@ -175,7 +209,7 @@ def main(argv=None) -> int:
                 results[v] = run_ranks(
                     "tools.bench_memory:worker", a.nproc,
                     dict(cfg=cfg, tp=a.tp, variant=v, steps=a.steps, save_dir=tmp),
-                    timeout=a.timeout, env={"PYTHONPATH": os.getcwd()})
+                    timeout=a.timeout, env=env)
             except RankFailure as e:  # reported in the table, not hidden
                 results[v] = str(e).splitlines()[0][:160]
         print(f"[bench_memory] {v}: done after {time.time() - t0:.0f}s", flush=True)
@@ -188,7 +222,8 @@ def main(argv=None) -> int:
           f"{'CUDA max allocated' if torch.cuda.is_available() else 'CPU peak RSS (VmHWM)'}")
     print(f"# command: python tools/bench_memory.py {' '.join(argv or sys.argv[1:])}")
     print(f"{'variant':14s} {'build MiB':>10s} {'steady MiB':>11s} {'vs AdamW':>9s} "
-          f"{'above imports':>14s} {'B/param':>8s} {'save MiB':>9s} {'save/steady':>12s}")
+          f"{'above imports':>14s} {'B/param':>8s} {'save MiB':>9s} {'save/steady':>12s} "
+          f"{'held MiB':>9s} {'held vs AdamW':>14s}")
 
     def worst(rows, key):
         vals = [r[key] for r in rows if r.get(key) is not None]
@@ -196,6 +231,7 @@ def main(argv=None) -> int:
 
     adam = results.get("adam")
     adam_steady = worst(adam, "steady") if isinstance(adam, list) else None
+    adam_held = worst(adam, "held") if isinstance(adam, list) else None
     for v in variants:
         rows = results[v]
         if not isinstance(rows, list):
@@ -208,8 +244,11 @@ def main(argv=None) -> int:
         per_param = above / params if params else float("nan")
         save_s = f"{save / mib:9.0f}" if save else "        -"
         ratio = f"{save / steady:11.3f}x" if save else "          -"
+        held = worst(rows, "held")
+        held_rel = f"{held / adam_held:13.3f}x" if adam_held else "             -"
         print(f"{v:14s} {worst(rows, 'build') / mib:10.0f} {steady / mib:11.0f} {rel:>9s} "
-              f"{above / mib:14.0f} {per_param:8.2f} {save_s} {ratio}")
+              f"{above / mib:14.0f} {per_param:8.2f} {save_s} {ratio} {held / mib:9.0f} "
+              f"{held_rel}")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(results, fh, indent=1)

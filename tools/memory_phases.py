@@ -92,6 +92,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("variant", choices=bm.VARIANTS)
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--num-layers", type=int, default=6)
     p.add_argument("--hidden-size", type=int, default=1024)
     p.add_argument("--ffn-hidden-size", type=int, default=4096)
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
                micro_batch_size=1, num_microbatches=1)
     with tempfile.TemporaryDirectory(prefix="memory_phases_") as tmp:
         logs = run_ranks("tools.memory_phases:worker", a.nproc,
-                         dict(cfg=cfg, tp=1, variant=a.variant, steps=1, save_dir=tmp,
+                         dict(cfg=cfg, tp=a.tp, variant=a.variant, steps=1, save_dir=tmp,
                               trim=a.trim),
                          timeout=1800, env={"PYTHONPATH": os.getcwd()})
     for rank, log in enumerate(logs):

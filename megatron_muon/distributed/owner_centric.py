@@ -31,7 +31,16 @@ from megatron_muon.core.plan import OwnerPlan
 from megatron_muon.distributed.trace import span
 from megatron_muon.core.units import Unit, unit_positions
 
-__all__ = ["Piece", "ShardedMatrix", "OwnerCentricNS", "joint_blocks"]
+__all__ = ["Piece", "ShardedMatrix", "OwnerCentricNS", "joint_blocks", "NS_BATCH_NUMEL"]
+
+#: An owner's NS batch (same-shape units, run as one batched call) holds at most this many
+#: elements (a unit larger than that is a batch of its own).  NS's workspace (the 16-bit
+#: copy of X, its products, the next X) scales with the batch, and it is the step's largest
+#: transient after the flat buffer and the owned units: measured at TP2 x DP2 on the 8 x 512
+#: GPT, whole-shape batches put DMuon's step peak 28 MiB above those buffers and above the
+#: backward's peak (docs/memory.md).  2^22 elements (16 MiB in fp32) is one 2048 x 2048 unit
+#: or sixteen 512 x 512 ones: large enough that batching still pays on a GPU.
+NS_BATCH_NUMEL = 1 << 21
 
 
 @dataclass(frozen=True)
@@ -152,7 +161,8 @@ class OwnerCentricNS:
                  group: Optional[dist.ProcessGroup], *, ns_steps: int, coefficients,
                  scale_mode: str, extra_scale_factor: float, ns_dtype: torch.dtype,
                  device: torch.device, replicate: bool = False, eps: float = 1e-7,
-                 ns_fn: Optional[Callable] = None, local_numel: Optional[int] = None):
+                 ns_fn: Optional[Callable] = None, local_numel: Optional[int] = None,
+                 ns_batch_numel: int = NS_BATCH_NUMEL):
         self.group = group
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
@@ -181,7 +191,8 @@ class OwnerCentricNS:
         for mat, i, u in mine:
             self.unit_offset[mat.unit_key(i)] = off
             m, n = u.shape
-            if self.batches and self.batches[-1][2:] == (m, n):
+            if self.batches and self.batches[-1][2:] == (m, n) and \
+                    (self.batches[-1][1] + 1) * m * n <= max(ns_batch_numel, m * n):
                 o, c, _, _ = self.batches[-1]
                 self.batches[-1] = (o, c + 1, m, n)
                 self.batch_keys[-1].append(mat.unit_key(i))
@@ -299,7 +310,8 @@ class OwnerCentricNS:
 
     def orthogonalize(self, owned: torch.Tensor, out: Optional[torch.Tensor] = None,
                       post: Optional[Callable] = None) -> torch.Tensor:
-        """Batched NS (times the Muon scale) on this rank's units, one batch per shape.
+        """Batched NS (times the Muon scale) on this rank's units, in batches of one shape
+        (at most ``NS_BATCH_NUMEL`` elements each, a larger unit alone).
 
         ``out``: where the results go (``owned`` itself is allowed: each batch reads only its
         own units before overwriting them); default a new buffer.  Each batch's NS workspace
