@@ -50,7 +50,7 @@ def test_a_column_shard_and_a_qkv_unit_are_one_block_each():
 
 def test_ns_batches_are_capped_and_give_the_same_result():
     """One rank, group None: same-shape units are batched up to ``ns_batch_numel`` elements
-    (a larger unit alone), and capping the batches changes no result.  The tolerance is
+    (a larger unit alone; default a quarter of the owned elements), and capping the batches changes no result.  The tolerance is
     exact equality: on every device a batched NS applies the same per-matrix operations,
     and only the batch count differs (checked here on the CPU; torch's CPU bmm runs one
     GEMM per matrix)."""
@@ -73,7 +73,10 @@ def test_ns_batches_are_capped_and_give_the_same_result():
                               ns_dtype=torch.float32, device=torch.device("cpu"),
                               ns_batch_numel=cap)
 
-    whole, capped = engine(1 << 22), engine(2 * 128)
+    whole, capped, default = engine(1 << 22), engine(2 * 128), engine(None)
+    # the default cap: a quarter of the owned elements (5504 // 4: every shape fits whole)
+    assert default.ns_batch_numel == (5 * 128 + 3 * 256 + 64 * 64) // 4
+    assert default.batches == whole.batches
     assert sorted(b[1:] for b in whole.batches) == sorted([(5, 16, 8), (1, 64, 64), (3, 8, 32)])
     counts = sorted(b[1:] for b in capped.batches)
     assert counts == sorted([(2, 16, 8), (2, 16, 8), (1, 16, 8), (1, 64, 64),

@@ -31,16 +31,17 @@ from megatron_muon.core.plan import OwnerPlan
 from megatron_muon.distributed.trace import span
 from megatron_muon.core.units import Unit, unit_positions
 
-__all__ = ["Piece", "ShardedMatrix", "OwnerCentricNS", "joint_blocks", "NS_BATCH_NUMEL"]
+__all__ = ["Piece", "ShardedMatrix", "OwnerCentricNS", "joint_blocks", "NS_BATCH_SHARE"]
 
-#: An owner's NS batch (same-shape units, run as one batched call) holds at most this many
-#: elements (a unit larger than that is a batch of its own).  NS's workspace (the 16-bit
-#: copy of X, its products, the next X) scales with the batch, and it is the step's largest
-#: transient after the flat buffer and the owned units: measured at TP2 x DP2 on the 8 x 512
-#: GPT, whole-shape batches put DMuon's step peak 28 MiB above those buffers and above the
-#: backward's peak (docs/memory.md).  2^22 elements (16 MiB in fp32) is one 2048 x 2048 unit
-#: or sixteen 512 x 512 ones: large enough that batching still pays on a GPU.
-NS_BATCH_NUMEL = 1 << 21
+#: An owner's NS batch (same-shape units, run as one batched call) holds at most this share
+#: of the rank's owned elements (a unit larger than that is a batch of its own).  NS's
+#: workspace (the 16-bit copy of X, its products, the next X, the fp32 result) is 2-3x the
+#: batch, and it is the step's largest transient after the flat buffer and the owned
+#: units: measured at TP2 x DP2 on the 8 x 512 GPT, whole-shape batches put DMuon's step
+#: peak 28 MiB above those buffers and above the backward's peak (docs/memory.md).  A share
+#: (not a fixed size) keeps batches large where units are many and small relative to what a
+#: rank owns, which is where batching pays on a GPU.
+NS_BATCH_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ class OwnerCentricNS:
                  scale_mode: str, extra_scale_factor: float, ns_dtype: torch.dtype,
                  device: torch.device, replicate: bool = False, eps: float = 1e-7,
                  ns_fn: Optional[Callable] = None, local_numel: Optional[int] = None,
-                 ns_batch_numel: int = NS_BATCH_NUMEL):
+                 ns_batch_numel: Optional[int] = None):
         self.group = group
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
@@ -184,6 +185,9 @@ class OwnerCentricNS:
         mine = [(mat, i, u) for mat in self.matrices for i, u in enumerate(mat.units)
                 if self.rank in owners_of(mat, i)]
         mine.sort(key=lambda t: (t[2].shape, t[0].key, t[1]))
+        if ns_batch_numel is None:  # default: a share of what this rank owns
+            ns_batch_numel = sum(u.numel for _, _, u in mine) // NS_BATCH_SHARE
+        self.ns_batch_numel = ns_batch_numel
         self.unit_offset: dict[str, int] = {}
         self.batches: list[tuple[int, int, int, int]] = []  # (offset, count, m, n)
         self.batch_keys: list[list[str]] = []  # the unit keys of each batch, in order
@@ -278,16 +282,29 @@ class OwnerCentricNS:
                   async_op: bool):
         """Blocks of ``src`` -> their peers' ``dst`` (one all-to-all; pieces that stay on this
         rank are copied directly); a handle for ``finish`` if async."""
+        return self._send(t, [self._pack(t, src, dst)], dst, kind, async_op)
+
+    @staticmethod
+    def _pack(t: _Table, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """The send staging buffer of ``t`` (its blocks of ``src`` in canonical order), and
+        the blocks that stay on this rank copied from ``src`` into ``dst``: after this,
+        the exchange no longer reads ``src``."""
         views = [_view(src, *t.side(b, t.src)).reshape(-1) for blocks in t.send for b in blocks]
         send = torch.cat(views) if views else src.new_empty(0)
-        recv, work = all_to_all_flat(send, t.send_counts, t.recv_counts, self.group,
-                                     self.stats, kind, async_op=async_op)
         for b in t.local:
             _view(dst, *t.side(b, t.dst)).copy_(_view(src, *t.side(b, t.src)))
+        return send
+
+    def _send(self, t: _Table, box: list, dst: torch.Tensor, kind: str, async_op: bool):
+        """Start the all-to-all of ``t`` from the packed send buffer ``box[0]`` (taken out of
+        ``box``, so that it is freed once sent) and, unless ``async_op``, unpack into ``dst``."""
+        send = box.pop()
+        recv, work = all_to_all_flat(send, t.send_counts, t.recv_counts, self.group,
+                                     self.stats, kind, async_op=async_op)
         handle = (t, recv, work)
         if async_op:
             return handle
-        del views, send  # sent: free the staging copy before unpacking what arrived
+        del send  # sent: free the staging copy before unpacking what arrived
         self.finish(handle, dst)
 
     @staticmethod
@@ -311,7 +328,7 @@ class OwnerCentricNS:
     def orthogonalize(self, owned: torch.Tensor, out: Optional[torch.Tensor] = None,
                       post: Optional[Callable] = None) -> torch.Tensor:
         """Batched NS (times the Muon scale) on this rank's units, in batches of one shape
-        (at most ``NS_BATCH_NUMEL`` elements each, a larger unit alone).
+        (at most ``ns_batch_numel`` elements each, a larger unit alone).
 
         ``out``: where the results go (``owned`` itself is allowed: each batch reads only its
         own units before overwriting them); default a new buffer.  Each batch's NS workspace
@@ -376,16 +393,31 @@ class OwnerCentricNS:
         ``out``: where the pieces go, default a new buffer.  ``out=local`` is allowed (the
         caller no longer needs its input): every gather has finished reading ``local``
         before it is zeroed and written.  NS runs in place on the owned units, so a step
-        holds ``local``, the owned units and one bucket's exchange buffers at a time.
+        holds ``local``, the owned units and one bucket's exchange buffers at a time; the
+        owned units are freed once the scatter's send buffers are packed.
         """
         if local.numel() != self.local_numel:
             raise ValueError(f"flat buffer has {local.numel()} elements, expected {self.local_numel}")
         with span("dmuon.gather"):
             owned = self.to_owners(local)
         with span("dmuon.ns"):
-            result = self.orthogonalize(owned, out=owned, post=post)
+            self.orthogonalize(owned, out=owned, post=post)
         if out is None:
             out = torch.empty_like(local)  # to_holders zeroes what no unit covers
         with span("dmuon.scatter"):
-            self.to_holders(result, out)
+            if self.replicate:
+                self.to_holders(owned, out)
+                return out
+            if not self.scatter_covers:
+                out.zero_()
+            # Pack every bucket's send buffer (and copy the pieces that stay here) first,
+            # then free the owned units before the all-to-alls: the scatter then holds the
+            # output, the packed results and one bucket's receive buffer, not the owned
+            # units as well (with one bucket: 4 x owned elements fewer bytes at its peak).
+            tables = list(self.scatter_tables.values())
+            sends = [self._pack(t, owned, out) for t in tables]
+            del owned
+            for i, t in enumerate(tables):
+                box, sends[i] = [sends[i]], None
+                self._send(t, box, out, "scatter", async_op=False)
         return out
