@@ -114,3 +114,50 @@ def test_gate_verdict_comes_from_the_reduced_periods():
 def test_gate_rejects_bad_schedules(kw):
     with pytest.raises(ValueError, match="SpeculationGate needs"):
         SpeculationGate(**kw)
+
+
+@pytest.mark.parametrize("changed", [None, 0, 1, 2])
+@pytest.mark.parametrize("numel_scale", [1, 8])  # chunks of one parameter / the whole group
+def test_step_compares_with_the_speculated_u_in_place(changed, numel_scale):
+    """ShardedMuonStep._momentum_into_speculated (the step with a pending speculation):
+    the momentum is committed exactly as the plain step commits it, the result says
+    whether U matched the speculated U bit for bit, and the speculated buffer ends holding
+    this step's U whichever parameter (if any) differed first.  Exact equality: the same
+    element-wise foreach ops as the plain step, only grouped in other chunks."""
+    import functools
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_muon.core.muon import momentum_update_
+    from megatron_muon.megatron.dmuon import ShardedMuonStep
+
+    g = torch.Generator().manual_seed(1)
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in ((4, 3), (5, 2), (3, 3))]
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g)
+    offsets, off = {}, 0
+    for p in ps:
+        offsets[p], off = off, off + p.numel()
+    moms = [torch.randn(p.shape, generator=g) for p in ps]
+    # (numel sets the chunk limit, numel // 8: here 4 or 35 elements)
+    me = SimpleNamespace(param_groups=[{"params": ps}], numel=off * numel_scale, momentum=0.9,
+                         nesterov=True,
+                         offsets=offsets,
+                         state={p: {"momentum_buffer": m.clone()} for p, m in zip(ps, moms)})
+    me._slice = functools.partial(ShardedMuonStep._slice, me)
+    me._grad = ShardedMuonStep._grad
+    # the speculation: U from copies of the momentum (as the overlap computes it)
+    spec = torch.empty(off)
+    momentum_update_([m.clone() for m in moms], [p.grad for p in ps], 0.9, True,
+                     [me._slice(spec, p) for p in ps])
+    if changed is not None:  # that parameter's gradient changed after the speculation
+        ps[changed].grad.mul_(0.5)
+    # the plain step's U and momentum, for reference
+    ref_m = [m.clone() for m in moms]
+    ref = torch.empty(off)
+    momentum_update_(ref_m, [p.grad for p in ps], 0.9, True, [me._slice(ref, p) for p in ps])
+    same = ShardedMuonStep._momentum_into_speculated(me, spec)
+    assert same is (changed is None)
+    assert torch.equal(spec, ref)
+    assert all(torch.equal(me.state[p]["momentum_buffer"], m) for p, m in zip(ps, ref_m))

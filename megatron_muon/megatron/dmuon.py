@@ -228,12 +228,17 @@ class ShardedMuonStep(torch.optim.Optimizer):
         # the engine writes the NS pieces back over it (docs/design.md, DMuon's memory).
         # ``flat_offsets`` tiles it with the parameters, so every element is written: no
         # zero-fill.
-        flat = torch.empty(self.numel, dtype=torch.float32, device=self.engine.device)
-        for group in self.param_groups:  # momentum of the whole group (foreach)
-            ps = group["params"]
-            momentum_update_([self.state[p]["momentum_buffer"] for p in ps],
-                             [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps],
-                             self.momentum, self.nesterov, [self._slice(flat, p) for p in ps])
+        spec_flat = self.overlap.pending_flat() if self.overlap is not None else None
+        matches = None
+        if spec_flat is None:
+            flat = torch.empty(self.numel, dtype=torch.float32, device=self.engine.device)
+            for group in self.param_groups:  # momentum of the whole group (foreach)
+                ps = group["params"]
+                momentum_update_([self.state[p]["momentum_buffer"] for p in ps],
+                                 [self._grad(p) for p in ps], self.momentum, self.nesterov,
+                                 [self._slice(flat, p) for p in ps])
+        else:  # compare with the speculated U in place, then keep the true U there
+            flat, matches = spec_flat, self._momentum_into_speculated(spec_flat)
         if self.check_finite and not bool(torch.isfinite(flat).all()):
             raise FloatingPointError(
                 "DMuon: non-finite (NaN/Inf) Muon gradient or momentum; with fp16 use a loss "
@@ -241,7 +246,8 @@ class ShardedMuonStep(torch.optim.Optimizer):
         out = None
         if self.overlap is not None:
             out = self.overlap.take(flat, {p: (g["lr"], g["weight_decay"])
-                                           for g in self.param_groups for p in g["params"]})
+                                           for g in self.param_groups for p in g["params"]},
+                                    matches=matches)
             if self.overlap.deferred is not None:
                 return  # each bucket's update lands before its param all-gather
         if out is None:  # U is not needed once gathered
@@ -252,6 +258,41 @@ class ShardedMuonStep(torch.optim.Optimizer):
             lr, wd = group["lr"], group["weight_decay"]
             # W <- W (1 - lr wd) - lr O for the whole group (``apply_update``'s ops, foreach)
             decoupled_update_(ps, [self._slice(out, p) for p in ps], lr, 1.0 - lr * wd)
+
+    @staticmethod
+    def _grad(p: torch.Tensor) -> torch.Tensor:
+        return p.grad if p.grad is not None else torch.zeros_like(p)
+
+    def _momentum_into_speculated(self, spec_flat: torch.Tensor) -> bool:
+        """The momentum step (M <- mu M + G, U) with U compared bit for bit against the
+        speculated U in ``spec_flat`` and written over it from the first difference on, so
+        that ``spec_flat`` ends holding this step's U either way.  U is computed in chunks
+        of parameters (at most an eighth of the shard, or one parameter), foreach within a
+        chunk: the overlap then adds no shard-sized buffer to the step.  Returns whether
+        every element matched."""
+        same = True
+        limit = max(self.numel // 8, 1)
+        for group in self.param_groups:
+            ps, start = group["params"], 0
+            while start < len(ps):
+                end, size = start, 0
+                while end < len(ps) and (end == start or size + ps[end].numel() <= limit):
+                    size += ps[end].numel()
+                    end += 1
+                chunk = ps[start:end]
+                us = [torch.empty_like(p, dtype=torch.float32) for p in chunk]
+                momentum_update_([self.state[p]["momentum_buffer"] for p in chunk],
+                                 [self._grad(p) for p in chunk], self.momentum, self.nesterov,
+                                 us)
+                for p, u in zip(chunk, us):
+                    dst = self._slice(spec_flat, p)
+                    if same and not torch.equal(u, dst):
+                        same = False
+                    if not same:
+                        dst.copy_(u)
+                del us
+                start = end
+        return same
 
     def _slice(self, flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """``p``'s slice of DMuon's flat step buffer, shaped like ``p``."""
