@@ -163,3 +163,24 @@ def test_recipe_bad_flags_fail_fast():
         assert p.returncode == 2, p.stderr[-2000:]
         assert p.stderr.startswith("error: ") and message in p.stderr, p.stderr[-2000:]
         assert len(p.stderr.strip().splitlines()) == 1, p.stderr[-2000:]
+
+
+def test_compare_relora_table_pairs_seeds():
+    """tools/compare_relora.py's table: the best LR per optimizer by mean held-out loss, and
+    the paired per-seed differences against the leader's best LR."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "compare_relora", Path(__file__).resolve().parents[1] / "tools" / "compare_relora.py")
+    cr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cr)
+    rec = lambda o, lr, s, h: dict(part="pretrain", optimizer=o, lr=lr, seed=s, heldout=h,  # noqa: E731
+                                   opt_ms=1.0, train_s=1.0)
+    rs = [rec("a", 0.1, 1, 2.0), rec("a", 0.1, 2, 3.0), rec("a", 0.2, 1, 2.5),
+          rec("a", 0.2, 2, 3.5), rec("b", 0.1, 1, 2.25), rec("b", 0.1, 2, 3.75)]
+    lines = cr.table(rs).splitlines()
+    assert lines[-2] == "best LR per optimizer: a 0.1: 2.5000 +- 0.7071; b 0.1: 3.0000 +- 1.0607"
+    # b - a per seed: +0.25, +0.75
+    assert lines[-1] == ("paired, best LR minus a's best LR, per seed: "
+                         "b +0.5000 +- 0.3536 [+0.2500, +0.7500] (2 seeds)")

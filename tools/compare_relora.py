@@ -204,6 +204,22 @@ def _stats(xs: list[float]) -> tuple[float, float, float, float]:
     return (statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0, min(xs), max(xs))
 
 
+def paired_line(rs: list[dict], ranked: list) -> str:
+    """Each optimizer at its best LR minus the leader at its best LR, seed by seed (every
+    run of a seed sees the same data order and initialisation, so the seed-to-seed spread
+    largely cancels): mean +- std of the differences over the seeds both have."""
+    lead, (lead_lr, *_) = ranked[0]
+    base = {r["seed"]: r["heldout"] for r in rs if r["optimizer"] == lead and r["lr"] == lead_lr}
+    out = []
+    for opt, (lr, *_) in ranked[1:]:
+        d = [r["heldout"] - base[r["seed"]] for r in rs
+             if r["optimizer"] == opt and r["lr"] == lr and r["seed"] in base]
+        if d:
+            m, sd, lo, hi = _stats(d)
+            out.append(f"{opt} {m:+.4f} +- {sd:.4f} [{lo:+.4f}, {hi:+.4f}] ({len(d)} seeds)")
+    return f"paired, best LR minus {lead}'s best LR, per seed: " + ("; ".join(out) or "-")
+
+
 def table(records: list[dict]) -> str:
     lines = []
     for part in dict.fromkeys(r["part"] for r in records):
@@ -224,9 +240,10 @@ def table(records: list[dict]) -> str:
                     f"| {opt:<12} | {lr:<8g} | {len(cell):5d} | {m:.4f} +- {s:.4f} "
                     f"[{lo:.4f}, {hi:.4f}]     | {statistics.median(r['opt_ms'] for r in cell):6.1f} "
                     f"| {statistics.median(r['train_s'] for r in cell):7.1f} |")
+        ranked = sorted(best.items(), key=lambda kv: kv[1][1])
         lines.append("best LR per optimizer: " + "; ".join(
-            f"{o} {v[0]:g}: {v[1]:.4f} +- {v[2]:.4f}" for o, v in
-            sorted(best.items(), key=lambda kv: kv[1][1])))
+            f"{o} {v[0]:g}: {v[1]:.4f} +- {v[2]:.4f}" for o, v in ranked))
+        lines.append(paired_line(rs, ranked))
     return "\n".join(lines)
 
 
