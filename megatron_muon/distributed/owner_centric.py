@@ -377,14 +377,20 @@ class OwnerCentricNS:
         """Every bucket's scatter (naive mode: the local copy): owned units -> ``out``, this
         rank's flat pieces (elements no unit covers are zeroed, unless there are none:
         ``scatter_covers``)."""
+        if self._scatter_prologue(result, out):
+            for b in self.scatter_tables:
+                self.scatter(result, b, out)
+        return out
+
+    def _scatter_prologue(self, result: torch.Tensor, out: torch.Tensor) -> bool:
+        """Zero what no unit covers; in naive mode keep this rank's pieces (the whole
+        scatter).  Whether the all-to-alls remain to be done."""
         if not self.scatter_covers:
             out.zero_()
         if self.replicate:
             self.keep_local(result, out)
-        else:
-            for b in self.scatter_tables:
-                self.scatter(result, b, out)
-        return out
+            return False
+        return True
 
     def run(self, local: torch.Tensor, out: Optional[torch.Tensor] = None,
             post: Optional[Callable] = None) -> torch.Tensor:
@@ -405,19 +411,15 @@ class OwnerCentricNS:
         if out is None:
             out = torch.empty_like(local)  # to_holders zeroes what no unit covers
         with span("dmuon.scatter"):
-            if self.replicate:
-                self.to_holders(owned, out)
-                return out
-            if not self.scatter_covers:
-                out.zero_()
-            # Pack every bucket's send buffer (and copy the pieces that stay here) first,
-            # then free the owned units before the all-to-alls: the scatter then holds the
-            # output, the packed results and one bucket's receive buffer, not the owned
-            # units as well (with one bucket: 4 x owned elements fewer bytes at its peak).
-            tables = list(self.scatter_tables.values())
-            sends = [self._pack(t, owned, out) for t in tables]
-            del owned
-            for i, t in enumerate(tables):
-                box, sends[i] = [sends[i]], None
-                self._send(t, box, out, "scatter", async_op=False)
+            if self._scatter_prologue(owned, out):
+                # Pack every bucket's send buffer (and copy the pieces that stay here)
+                # first, then free the owned units before the all-to-alls: the scatter then
+                # holds the output, the packed results and one bucket's receive buffer, not
+                # the owned units as well (with one bucket: 4 x owned elements fewer bytes
+                # at its peak).
+                tables = list(self.scatter_tables.values())
+                sends = [self._pack(t, owned, out) for t in tables]
+                del owned
+                for t in tables:  # popped: each send buffer is freed once sent
+                    self._send(t, [sends.pop(0)], out, "scatter", async_op=False)
         return out

@@ -229,7 +229,7 @@ class ShardedMuonStep(torch.optim.Optimizer):
         # ``flat_offsets`` tiles it with the parameters, so every element is written: no
         # zero-fill.
         spec_flat = self.overlap.pending_flat() if self.overlap is not None else None
-        matches = None
+        matches = False  # nothing speculated to compare with
         if spec_flat is None:
             flat = torch.empty(self.numel, dtype=torch.float32, device=self.engine.device)
             for group in self.param_groups:  # momentum of the whole group (foreach)
@@ -245,9 +245,8 @@ class ShardedMuonStep(torch.optim.Optimizer):
                 "scaler, otherwise check the data and the learning rate")
         out = None
         if self.overlap is not None:
-            out = self.overlap.take(flat, {p: (g["lr"], g["weight_decay"])
-                                           for g in self.param_groups for p in g["params"]},
-                                    matches=matches)
+            out = self.overlap.take({p: (g["lr"], g["weight_decay"])
+                                     for g in self.param_groups for p in g["params"]}, matches)
             if self.overlap.deferred is not None:
                 return  # each bucket's update lands before its param all-gather
         if out is None:  # U is not needed once gathered

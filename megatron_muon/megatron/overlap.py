@@ -391,19 +391,18 @@ class DMuonOverlap:
 
     def pending_flat(self) -> Optional[torch.Tensor]:
         """The speculated U (flat, like the step's buffer) of a complete speculation that
-        waits for ``take``, else None.  The step may compare its U with it in place and
-        overwrite it with its own U (``take(..., matches=...)``): the speculation no
-        longer needs it, so the step needs no flat buffer of its own."""
+        waits for ``take``, else None.  The step compares its U with it in place and
+        overwrites it with its own U (``take(lr_wd, matches)``): the speculation no longer
+        needs it, so the step needs no flat buffer of its own."""
         spec = self.spec
         return spec.flat if spec is not None and spec.complete else None
 
     @torch.no_grad()
-    def take(self, flat: torch.Tensor, lr_wd: dict,
-             matches: Optional[bool] = None) -> Optional[torch.Tensor]:
-        """The speculative NS output if it was computed from exactly ``flat`` on every rank.
-
-        ``matches``: whether this rank's U equalled the speculated one bit for bit, when the
-        caller compared them itself (``pending_flat``); else ``flat`` is compared here.
+    def take(self, lr_wd: dict, matches: bool) -> Optional[torch.Tensor]:
+        """The speculative NS output if it was computed from exactly this step's U on every
+        rank.  ``matches``: whether this rank's U equalled the speculated one bit for bit
+        (the step compares them in place, against ``pending_flat``; False when nothing was
+        pending).
 
         With ``param_update`` a used speculation is kept as deferred work (``flush``):
         ``self.deferred`` is then set and the caller must not apply the update itself.
@@ -415,10 +414,8 @@ class DMuonOverlap:
         if spec is None and self.skipped_last:
             self.skipped_last = False  # skipped by the policy on every rank: the plain step
             return None
-        if matches is None:
-            matches = spec is not None and spec.complete and torch.equal(flat, spec.flat)
         ok = spec is not None and spec.complete and matches
-        agree = torch.tensor([1 if ok else 0], dtype=torch.int32, device=flat.device)
+        agree = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.engine.device)
         if self.engine.group is not None and self.engine.world > 1:
             dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=self.engine.group)
         self._outcome(int(agree.item()) == 1)  # agreed: the same on every rank
