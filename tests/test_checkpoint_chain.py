@@ -28,6 +28,8 @@ CHAINS = {  # name: train_megatron arguments
     "dmuon": dict(optimizer="dmuon", opt=OPT),
     "matrix": dict(optimizer="dmuon", opt=MATRIX),
     "zero3": dict(optimizer="dmuon", opt=ZERO3, ddp=ZERO3_DDP),
+    # Megatron-LM's default format for its distributed optimizer (no gather at save)
+    "adam_dp_reshardable": dict(optimizer="adam", opt=OPT, sharding="dp_reshardable"),
 }
 # the same global batch (4 microbatches) in every layout, so that layouts can be compared
 LAYOUTS = {"dp4": dict(tp=1, pp=1, cfg={"num_microbatches": 1}),
@@ -54,8 +56,12 @@ def run_chains(names: list, layout: str, world: int = 4) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"chain_{layout}_") as root:
         for name in names:
             index[name] = len(variants)
+            chain = dict(CHAINS[name])
+            sharding = chain.pop("sharding", None)  # the checkpoints' optimizer format
             for v in [dict(steps=STEPS)] + segments(f"{root}/{name}"):
-                variants.append({**CHAINS[name], **LAYOUTS[layout], **v})
+                if sharding and v.get("checkpoint", {}).get("save"):
+                    v["checkpoint"]["sharding"] = sharding
+                variants.append({**chain, **LAYOUTS[layout], **v})
         per_rank = run_ranks("megatron_muon.testing.workers:train_variants", world,
                              dict(variants=variants), timeout=840)
     out = {}

@@ -267,13 +267,17 @@ def test_overlap_policy_and_clip_rate():
         exposed("sometimes", 0.0, 1)
     with pytest.raises(ValueError, match="clip_rate"):
         exposed("on", 1.5, 1)
-    # predict() charges it: on the tiny model a clipped step adds the owner work W
+    # a used speculation still scatters its results in the step
+    assert cm.overlap_exposed(10.0, 2.0, replace(PLAIN, overlap_policy="on", clip_rate=0.25),
+                              1, in_step=1.0) == (pytest.approx(2.0 + 0.75 + 2.5), "on")
+    # predict() charges it: on the tiny model a clipped step adds the owner work W less the
+    # scatter a used step pays anyway (half the exchange)
     lay = cm.Layout(dp=4)
     dm = cm.predict(TINY, lay, IDEAL, "dmuon", PLAIN)
     work = sum(dm.breakdown[k] for k in ("muon_comm", "ns", "owned"))
     on = [cm.predict(TINY, lay, IDEAL, "dmuon_overlap", replace(PLAIN, clip_rate=c)).exposed_s
           for c in (0.0, 1.0)]
-    assert work > 0 and on[1] == pytest.approx(on[0] + work)
+    assert work > 0 and on[1] == pytest.approx(on[0] + work - dm.breakdown["muon_comm"] / 2)
     off = cm.predict(TINY, lay, IDEAL, "dmuon_overlap", replace(PLAIN, overlap_policy="auto"))
     assert off.exposed_s == pytest.approx(dm.exposed_s)
 

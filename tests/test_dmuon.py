@@ -399,10 +399,13 @@ def test_zero3_memory_per_rank_is_near_even_sharding():
 
 def test_zero3_checkpoint_resumes_bitwise_and_reshards(tmp_path):
     d = str(tmp_path)
-    full = merged_params(train("dp4", opt=ZERO3, ddp=ZERO3_DDP, steps=4,
-                               checkpoint=dict(save=d, save_at=2)))
-    same = merged_params(train("dp4", opt=ZERO3, ddp=ZERO3_DDP, steps=4,
-                               checkpoint=dict(load=d)))
+    saved = train("dp4", opt=ZERO3, ddp=ZERO3_DDP, steps=4, checkpoint=dict(save=d, save_at=2))
+    # each owner wrote its own parameters: no rank gathered a bucket to save
+    assert [r["zero3"]["gathers_in_save"] for r in saved] == [0] * 4
+    full = merged_params(saved)
+    loaded = train("dp4", opt=ZERO3, ddp=ZERO3_DDP, steps=4, checkpoint=dict(load=d))
+    assert [r["zero3"]["gathers_in_load"] for r in loaded] == [0] * 4  # each reads its own
+    same = merged_params(loaded)
     for n in full:
         assert torch.equal(full[n], same[n]), n
     # to DP2 x TP2 under ZeRO-3, and to the default DMuon placement at DP4
@@ -413,12 +416,22 @@ def test_zero3_checkpoint_resumes_bitwise_and_reshards(tmp_path):
         assert worst_excess(resumed, full)[0] < 1, worst_excess(resumed, full)
 
 
-def test_zero3_interleaved_pipeline_equals_reference():
-    """PP2 x VPP2 x DP2: two model chunks per rank, each with its own ZeRO-3 buckets."""
-    res = run_ranks("megatron_muon.testing.workers:train_megatron", 4,
-                    dict(cfg={"num_microbatches": 2}, pp=2, vpp=2, optimizer="dmuon", opt=ZERO3,
-                         steps=STEPS, ddp=ZERO3_DDP), timeout=300)
+def test_zero3_interleaved_pipeline_equals_reference(tmp_path):
+    """PP2 x VPP2 x DP2: two model chunks per rank, each with its own ZeRO-3 buckets; a
+    checkpoint of both chunks, written and read by the owners, resumes bitwise."""
+    def run(**ckpt):
+        return run_ranks("megatron_muon.testing.workers:train_megatron", 4,
+                         dict(cfg={"num_microbatches": 2}, pp=2, vpp=2, optimizer="dmuon",
+                              opt=ZERO3, steps=STEPS, ddp=ZERO3_DDP, checkpoint=ckpt),
+                         timeout=300)
+    res = run(save=str(tmp_path), save_at=2)  # saving does not change the run
     assert_matches(merged_params(res), reference())
+    resumed = run(load=str(tmp_path))
+    assert [r["zero3"]["gathers_in_save"] for r in res] == [0] * 4
+    assert [r["zero3"]["gathers_in_load"] for r in resumed] == [0] * 4
+    full, again = merged_params(res), merged_params(resumed)
+    for n in full:
+        assert torch.equal(full[n], again[n]), n
 
 
 def test_zero3_tied_embeddings_equal_reference():

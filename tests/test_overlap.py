@@ -70,6 +70,13 @@ def test_overlapped_dmuon_equals_plain_dmuon(layout, tmp_path):
         assert ov == dict(speculated=STEPS, used=STEPS - 2, redone=1, dropped=1, skipped=0,
                           probes=0), ov
         assert off["dmuon_stats"]["overlap"] is None
+        # a complete speculation holds U over the step's own flat buffer and the owners'
+        # results, nothing else: they are scattered in the step (one extra buffer, the
+        # owned units, beyond the plain step's)
+        held = on["spec_held"]
+        assert len(held) == STEPS - 1, held  # the Inf step's speculation is dropped
+        assert all(h["flat"] == h["shard"] and h["owned"] == h["owned_numel"]
+                   and not h["out"] for h in held), held
     # Per step, except with the trace: reading the parameters after every step forces the
     # param all-gather there, and the trace must show the deferred updates in the forward.
     steps = range(STEPS) if trace_dir is None else [None]
@@ -144,12 +151,12 @@ def check_trace(trace_dir, world):
         events = json.load(open(os.path.join(trace_dir, f)))["traceEvents"]
         names = {e["name"] for e in events}
         for need in ("forward", "backward", "grad.reduce_scatter_launch", "dmuon.speculate",
-                     "dmuon.ns", "dmuon.scatter_wait_update", "param.gather_launch",
+                     "dmuon.ns", "dmuon.scatter", "dmuon.deferred_update", "param.gather_launch",
                      "optimizer.step"):
             assert need in names, (f, need)
-        # the deferred scatters and updates land inside the next step's forward pass
+        # the deferred updates land inside the next step's forward pass
         fwd = [e for e in events if e["name"] == "forward"]
-        upd = [e for e in events if e["name"] == "dmuon.scatter_wait_update"]
+        upd = [e for e in events if e["name"] == "dmuon.deferred_update"]
         assert any(b["ts"] <= u["ts"] and u["ts"] + u["dur"] <= b["ts"] + b["dur"]
                    for u in upd for b in fwd), f
         # On the first stage (ranks 0, 1: several Muon buckets), in every step but the first

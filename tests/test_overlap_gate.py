@@ -140,9 +140,9 @@ def test_step_compares_with_the_speculated_u_in_place(changed, numel_scale):
     for p in ps:
         offsets[p], off = off, off + p.numel()
     moms = [torch.randn(p.shape, generator=g) for p in ps]
-    # (numel sets the chunk limit, numel // 8: here 4 or 35 elements)
+    # (numel and owned_numel set the chunk limit, min of them // 8: here 4 or 35 elements)
     me = SimpleNamespace(param_groups=[{"params": ps}], numel=off * numel_scale, momentum=0.9,
-                         nesterov=True,
+                         nesterov=True, engine=SimpleNamespace(owned_numel=off * numel_scale),
                          offsets=offsets,
                          state={p: {"momentum_buffer": m.clone()} for p, m in zip(ps, moms)})
     me._slice = functools.partial(ShardedMuonStep._slice, me)

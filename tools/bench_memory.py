@@ -5,6 +5,9 @@ One command; every variant runs in its own launch (its own processes), so peaks 
     python tools/bench_memory.py --nproc 4 --tp 1      # DP4, GPT of ~353M parameters
     python tools/bench_memory.py --nproc 4 --tp 2      # TP2 x DP2
 
+(On a 24 GiB machine the DP4 run at this size fits only with ``--malloc-mmap-threshold
+1048576``: with glibc's default heap 4 ranks of AdamW are killed by the OOM killer.)
+
 Per rank it measures, in phases: ``build`` (model + DDP buffers + optimizer), ``steady``
 (``--steps`` training steps after the first) and ``save`` (one ``save_checkpoint``).  On CPU
 a phase's peak is Linux's high-water mark of the process's resident set (``VmHWM``), reset
@@ -15,7 +18,11 @@ resident set after importing torch and Megatron (the same for every variant), an
 TP).  ``held`` is what stays allocated between steps (``held_bytes``: live tensors, so on
 CPU free of what glibc keeps in its heap after a free).  ``--malloc-mmap-threshold`` fixes
 glibc's mmap threshold in every rank (e.g. 1048576), so that freed large blocks go back to
-the OS and CPU peaks follow live tensors more closely, as CUDA's max allocated does.  The table prints the max over ranks and each variant's ratio to AdamW.  Megatron-Core's
+the OS and CPU peaks follow live tensors more closely, as CUDA's max allocated does.  The
+table prints the max over ranks and each variant's ratio to AdamW.  AdamW's state is saved
+in Megatron-LM's default format (``dp_reshardable``; ``--adam-sharding-type``), DMuon's in
+its own.  Each rank records its phases as it finishes them, so a variant whose save is
+killed (out of memory) still reports its build and steady rows.  Megatron-Core's
 own Muon (``optimizer='muon'``, layer-wise distributed) runs where the installed
 megatron-core has it and ``emerging_optimizers`` imports; otherwise the row says why.
 
@@ -32,6 +39,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -98,7 +106,31 @@ def current_bytes() -> int:
 
 
 # -- one variant, on every rank ---------------------------------------------------------------
-def worker(cfg: dict, tp: int, variant: str, steps: int, save_dir: str) -> dict:
+def _record(phase_dir: str, out: dict) -> None:
+    """This rank's phases so far, kept on disk: a rank killed in a later phase (the kernel's
+    OOM killer, usually in the save) still reports the phases it finished."""
+    import torch.distributed as dist
+
+    path = os.path.join(phase_dir, f"rank{dist.get_rank()}.json")
+    with open(path + ".tmp", "w") as fh:
+        json.dump(out, fh)
+    os.replace(path + ".tmp", path)
+
+
+def _recorded(phase_dir: str, nproc: int) -> Optional[list]:
+    """Every rank's recorded phases, or None unless every rank got past the steady phase."""
+    rows = []
+    for r in range(nproc):
+        try:
+            with open(os.path.join(phase_dir, f"rank{r}.json")) as fh:
+                rows.append(json.load(fh))
+        except (OSError, ValueError):
+            return None
+    return rows if all("steady" in row for row in rows) else None
+
+
+def worker(cfg: dict, tp: int, variant: str, steps: int, save_dir: str,
+           phase_dir: Optional[str] = None, adam_sharding: str = "dp_reshardable") -> dict:
     import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallelConfig
 
@@ -141,7 +173,8 @@ def worker(cfg: dict, tp: int, variant: str, steps: int, save_dir: str) -> dict:
         optim = get_megatron_optimizer(ocfg, model)
     rank_params = sum(p.numel() for chunk in model for p in chunk.parameters())
     ranks = layout_ranks()
-    out = {"build": peak_bytes(), "base": base}
+    # ZeRO-3 shards the parameters: count the replica's parameters, not the rank's views
+    out = {"build": peak_bytes(), "base": base, "replica_params": rank_params}
     train_step(model, optim, gcfg, 0, ranks["dp"], ranks["dp_size"])  # allocates the state
     reset_peak()
     t0 = time.perf_counter()
@@ -151,15 +184,15 @@ def worker(cfg: dict, tp: int, variant: str, steps: int, save_dir: str) -> dict:
     out["steady"] = peak_bytes()
     out["step_s"] = (time.perf_counter() - t0) / steps
     out["held"] = held_bytes()
+    if phase_dir is not None:
+        _record(phase_dir, out)
     if variant == "mcore_muon":
         out["save"] = None  # saved through Megatron-LM's own checkpointing, not this path
     else:
         reset_peak()
-        save_checkpoint(save_dir, model, optim, 1 + steps)
+        save_checkpoint(save_dir, model, optim, 1 + steps, optim_sharding_type=adam_sharding)
         dist.barrier()
         out["save"] = peak_bytes()
-    # ZeRO-3 shards the parameters: count the replica's parameters, not the rank's views
-    out["replica_params"] = rank_params
     return out
 
 
@@ -179,6 +212,11 @@ def main(argv=None) -> int:
                    help=f"comma-separated subset of {','.join(VARIANTS)}")
     p.add_argument("--timeout", type=float, default=1800, help="per variant, seconds")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--adam-sharding-type", default="dp_reshardable",
+                   choices=("dp_reshardable", "fully_reshardable", "fully_sharded_model_space"),
+                   help="the checkpoint format of AdamW's state in the save phase (default: "
+                        "Megatron-LM's, dp_reshardable; fully_reshardable gathers the state on "
+                        "DP rank 0)")
     p.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
                    help="CPU: set glibc's MALLOC_MMAP_THRESHOLD_ in every rank, so that blocks "
                         "of at least BYTES are mmapped and returned to the OS when freed "
@@ -205,13 +243,23 @@ def main(argv=None) -> int:
     for v in variants:
         print(f"[bench_memory] {v}: launching {a.nproc} ranks ...", flush=True)
         with tempfile.TemporaryDirectory(prefix=f"bench_memory_{v}_") as tmp:
+            phase_dir = os.path.join(tmp, "phases")
+            os.makedirs(phase_dir)
             try:
                 results[v] = run_ranks(
                     "tools.bench_memory:worker", a.nproc,
-                    dict(cfg=cfg, tp=a.tp, variant=v, steps=a.steps, save_dir=tmp),
+                    dict(cfg=cfg, tp=a.tp, variant=v, steps=a.steps,
+                         save_dir=os.path.join(tmp, "ckpt"), phase_dir=phase_dir,
+                         adam_sharding=a.adam_sharding_type),
                     timeout=a.timeout, env=env)
             except RankFailure as e:  # reported in the table, not hidden
-                results[v] = str(e).splitlines()[0][:160]
+                why = str(e).splitlines()[0][:160]
+                rows = _recorded(phase_dir, a.nproc)
+                if rows is None:
+                    results[v] = why
+                else:  # the save failed: the earlier phases stand, the save says why
+                    results[v] = [dict(row, save_failed=why) for row in rows]
+                    print(f"[bench_memory] {v}: the checkpoint save failed: {why}", flush=True)
         print(f"[bench_memory] {v}: done after {time.time() - t0:.0f}s", flush=True)
 
     dp = a.nproc // a.tp
@@ -244,6 +292,9 @@ def main(argv=None) -> int:
         per_param = above / params if params else float("nan")
         save_s = f"{save / mib:9.0f}" if save else "        -"
         ratio = f"{save / steady:11.3f}x" if save else "          -"
+        if rows[0].get("save_failed"):
+            killed = "SIGKILL" in rows[0]["save_failed"]
+            save_s, ratio = f"{'killed' if killed else 'failed':>9s}", f"{'(OOM?)' if killed else '':>12s}"
         held = worst(rows, "held")
         held_rel = f"{held / adam_held:13.3f}x" if adam_held else "             -"
         print(f"{v:14s} {worst(rows, 'build') / mib:10.0f} {steady / mib:11.0f} {rel:>9s} "

@@ -19,6 +19,9 @@ model flops (``ns_flops``), speedup over standard and the relative Frobenius dis
 from the fp64 result, for the default restart period and any ``--gram-restarts``:
 
     python tools/bench_ns.py --methods --threads 1 --coefficients quintic --shapes 512x2048,2048x512
+
+``--mcore`` adds Megatron-Core's own Muon NS (``emerging_optimizers``) to that table, run the
+way its Muon runs it (bf16 compute for ``--dtype bf16``).
 """
 
 from __future__ import annotations
@@ -125,8 +128,30 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--gram-restarts", default="",
                    help="--methods: comma list of further Gram restart periods to show, besides "
                         "the coefficients' default (0: never)")
+    p.add_argument("--mcore", action="store_true",
+                   help="--methods: add Megatron-Core's own Muon NS (emerging_optimizers) as a row")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     return p.parse_args(argv)
+
+
+def mcore_ns(steps: int, coefficients: str, dtype: torch.dtype) -> Callable:
+    """Megatron-Core's Muon NS (``emerging_optimizers``' ``newton_schulz``) as its Muon calls
+    it: fp32 input, bf16 compute under ``fp32_matmul_prec='medium'`` (Megatron's default),
+    fp32 under ``'highest'``.  ImportError when it is not installed."""
+    import tools.bench_optimizer  # noqa: F401  (typing.override for emerging_optimizers)
+    from emerging_optimizers.orthogonalized_optimizers import muon_utils
+
+    prec = "medium" if dtype == torch.bfloat16 else "highest"
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        prev = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(prec)
+        try:
+            return muon_utils.newton_schulz(x, steps, coefficients)
+        finally:
+            torch.set_float32_matmul_precision(prev)
+
+    return run
 
 
 def compare_methods(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
@@ -153,6 +178,12 @@ def compare_methods(args: argparse.Namespace, device: torch.device, dtype: torch
         fns = {k: (lambda meth=meth, r=r: newton_schulz(x, args.steps, args.coefficients, dtype=dtype,
                                                          method=meth, gram_restart=r))
                for k, (meth, r) in runs.items()}
+        if args.mcore:
+            try:
+                fn = mcore_ns(args.steps, args.coefficients, dtype)
+                fns["mcore"] = lambda fn=fn: fn(x)
+            except (ImportError, ValueError) as exc:
+                print(f"# mcore: skipped ({type(exc).__name__}: {exc})")
         errs = {k: ((f().double() - exact).norm() / exact.norm()).item() for k, f in fns.items()}
         for _ in range(max(warmup - 1, 0)):
             for f in fns.values():
@@ -167,12 +198,16 @@ def compare_methods(args: argparse.Namespace, device: torch.device, dtype: torch
                 samples[k].append(time.perf_counter() - t0)
         t_std = statistics.median(samples["standard"])
         f_std = ns_flops(m, n, args.steps) * args.batch
-        for k, (meth, r) in runs.items():
+        for k in fns:
+            meth, r = runs.get(k, ("standard", 0))  # mcore: standard NS, its own code
             t = statistics.median(samples[k])
             fl = ns_flops(m, n, args.steps, meth, gram_restart=r) * args.batch
             print(f"{spec:>11} {k:<10} {t * 1e3:>9.1f} {fl / 1e9:>8.2f} {fl / f_std:>9.2f} "
                   f"{t_std / t:>7.2f}x {errs[k]:>16.2e}")
-    print("# gram rR: restart every R steps (0: never); * marks the default for these coefficients")
+    print("# gram rR: restart every R steps (0: never); * marks the default for these coefficients"
+          + ("; mcore: Megatron-Core's Muon NS (emerging_optimizers), fp32 in, "
+             + ("bf16 compute ('medium')" if dtype == torch.bfloat16 else "fp32 ('highest')")
+             if args.mcore else ""))
     return 0
 
 

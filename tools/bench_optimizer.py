@@ -192,7 +192,7 @@ def worker(cfg: dict, tp: int, optimizers: list, steps: int, warmup: int, prec: 
                 import traceback
 
                 out[name]["error"] += "\n" + traceback.format_exc()[-3000:]
-    times = {n: ([], []) for n in live}
+    times = {n: ([], [], []) for n in live}
     for step in range(warmup + steps):
         for name in list(live):
             model, optim = live[name]
@@ -206,11 +206,13 @@ def worker(cfg: dict, tp: int, optimizers: list, steps: int, warmup: int, prec: 
                 train_step(model, None, gcfg, step, lr["dp"], lr["dp_size"])  # grads only
                 dist.barrier()
                 t1 = time.perf_counter()
+                c1 = time.process_time()
                 if prof is not None:
                     with prof:
                         optim.step()
                 else:
                     optim.step()
+                c2 = time.process_time()  # this process's CPU (all threads) in the step
                 dist.barrier()
                 t2 = time.perf_counter()
             except RuntimeError as e:  # e.g. gloo has no uneven all_gather
@@ -223,9 +225,11 @@ def worker(cfg: dict, tp: int, optimizers: list, steps: int, warmup: int, prec: 
             if step >= warmup:
                 times[name][0].append(t2 - t1)
                 times[name][1].append(t1 - t0)
+                times[name][2].append(c2 - c1)
     for name, (model, optim) in live.items():
-        st, fb = times[name]
+        st, fb, cpu = times[name]
         rec = {"step_s": statistics.median(st), "fwd_bwd_s": statistics.median(fb),
+               "step_cpu_s": statistics.median(cpu),
                "total_s": statistics.median(a + b for a, b in zip(st, fb)),
                "memory": _memory_per_rank(model, optim)}
         for sub in getattr(optim, "chained_optimizers", [optim]):
@@ -333,7 +337,7 @@ def main(argv=None) -> int:
     lw = slowest("mcore_muon_blockwise", "total_s"), slowest("mcore_muon_blockwise")
     adam = slowest("adam", "total_s"), slowest("adam")
     print(f"{'optimizer':24s} {'total ms':>9s} {'opt ms':>8s} {'tot/lw':>7s} {'opt/lw':>7s} "
-          f"{'tot/adam':>8s} {'opt/adam':>8s} {'overlap (spec/used/redone/dropped/skipped)':>42s}")
+          f"{'tot/adam':>8s} {'opt/adam':>8s} {'opt cpu ms':>10s} {'overlap (spec/used/redone/dropped/skipped)':>42s}")
     for name in opts:
         r0 = res[0].get(name, {})
         if "error" in r0:
@@ -343,8 +347,9 @@ def main(argv=None) -> int:
         ovs = "/".join(str(ov[k]) for k in ("speculated", "used", "redone", "dropped", "skipped")) \
             if ov else "-"
         ratio = lambda x, y: f"{x / y:.2f}" if y else "-"  # noqa: E731
+        cpu = sum(r[name]["step_cpu_s"] for r in res)  # CPU of all ranks: work, not waiting
         print(f"{name:24s} {1e3 * tot:9.1f} {1e3 * st:8.1f} {ratio(tot, lw[0]):>7s} "
-              f"{ratio(st, lw[1]):>7s} {ratio(tot, adam[0]):>8s} {ratio(st, adam[1]):>8s} {ovs:>42s}")
+              f"{ratio(st, lw[1]):>7s} {ratio(tot, adam[0]):>8s} {ratio(st, adam[1]):>8s} {1e3 * cpu:10.1f} {ovs:>42s}")
     print()
     print(f"{'optimizer':24s} {'step ms':>9s} {'vs dmuon':>9s} {'naive/x':>8s} {'fwd+bwd ms':>11s} "
           f"{'sent KiB/r':>11s} {'recv KiB/r':>11s} {'state KiB/r':>12s} "

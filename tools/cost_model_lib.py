@@ -1188,7 +1188,8 @@ def predict(model: ModelConfig, layout: Layout, hw: Hardware, mode: str,
       (bucket by bucket: all but the last bucket's share can hide), except in
       ``mcore_layerwise`` whose step gathers the params itself;
     - ``dmuon_overlap``: the Muon work W = exchange + NS + owned-buffer handling runs bucket
-      by bucket during the backward pass, once a bucket's gradients are reduce-scattered.
+      by bucket during the backward pass, once a bucket's gradients are reduce-scattered,
+      except the scatter of the results (half the exchange), which runs in the step.
       Window assumption: window = overlap_efficiency x (1 - 1/buckets) x (backward compute
       - gradient reduce-scatter time); the last bucket's share W / buckets never hides;
       exposed = max(W / buckets, W - window).  overlap_efficiency (0.5) is the share of the
@@ -1216,8 +1217,10 @@ def predict(model: ModelConfig, layout: Layout, hw: Hardware, mode: str,
     notes = list(c.notes)
     if mode == "dmuon_overlap":
         work = bd["muon_comm"] + bd["ns"] + bd["owned"]
+        scatter = bd["muon_comm"] / 2  # a used speculation's scatter runs in the step
         window = run.overlap_efficiency * (1 - 1 / nb) * max(0.0, fb["bwd"] - c.grad_sync)
-        exposed_work, policy = overlap_exposed(work, _hidden(work, window, nb), run, layout.pp)
+        exposed_work, policy = overlap_exposed(work, _hidden(work - scatter, window, nb), run,
+                                               layout.pp, in_step=scatter)
         core = core - work + exposed_work
         notes.append(f"overlap ({policy}, clip rate {run.clip_rate:g}): window "
                      f"{window * 1e3:.2f} ms over {nb} buckets")
@@ -1250,14 +1253,18 @@ PROBE_RUN, PROBE_EVERY = 5, 100
 OVERLAP_POLICIES = ("on", "auto", "off")
 
 
-def overlap_exposed(work: float, hidden: float, run: RunConfig, pp: int) -> tuple:
+def overlap_exposed(work: float, hidden: float, run: RunConfig, pp: int,
+                    in_step: float = 0.0) -> tuple:
     """(exposed seconds of DMuon's owner work ``work``, the policy that ran) under
-    ``run.overlap_policy``; ``hidden``: what stays exposed of a speculation that is used.
+    ``run.overlap_policy``; ``hidden``: what stays exposed of the speculative part;
+    ``in_step``: what a used speculation still does in the step (the scatter of its
+    results, ``overlap.py``).
 
     - 'off' (and 'auto' without PP): the plain step, all of ``work`` in the step;
-    - 'on': every step speculates; a share ``clip_rate`` of the steps redoes the owner work
-      in the step after its speculation ran, so they pay ``work`` again:
-      ``hidden + clip_rate * work``;
+    - 'on': every step speculates; a used one pays ``hidden + in_step``; a share
+      ``clip_rate`` of the steps redoes the owner work in the step after its speculation
+      ran, so they pay ``hidden + work``:
+      ``hidden + (1 - clip_rate) * in_step + clip_rate * work``;
     - 'auto' with PP > 1 (``measured``): the gate keeps the cheaper mode and probes the
       other one RUN of every EVERY steps: ``best + RUN / EVERY * (worst - best)``.
     """
@@ -1266,7 +1273,7 @@ def overlap_exposed(work: float, hidden: float, run: RunConfig, pp: int) -> tupl
                          f"{run.overlap_policy!r}")
     if not 0.0 <= run.clip_rate <= 1.0:
         raise ValueError(f"clip_rate is a share of steps in [0, 1], got {run.clip_rate}")
-    on = hidden + run.clip_rate * work
+    on = hidden + (1.0 - run.clip_rate) * in_step + run.clip_rate * work
     if run.overlap_policy == "off" or (run.overlap_policy == "auto" and pp == 1):
         return work, "off"
     if run.overlap_policy == "on":

@@ -410,16 +410,25 @@ class OwnerCentricNS:
             self.orthogonalize(owned, out=owned, post=post)
         if out is None:
             out = torch.empty_like(local)  # to_holders zeroes what no unit covers
+        box = [owned]
+        del owned
+        return self.scatter_owned(box, out)
+
+    def scatter_owned(self, box: list, out: torch.Tensor) -> torch.Tensor:
+        """Every bucket's scatter of the owned results ``box[0]`` into ``out`` (this rank's
+        flat pieces), synchronously; ``box`` is emptied, so that the owned units are freed
+        as soon as their send buffers are packed (the caller keeps no other reference)."""
         with span("dmuon.scatter"):
-            if self._scatter_prologue(owned, out):
+            if self._scatter_prologue(box[0], out):
                 # Pack every bucket's send buffer (and copy the pieces that stay here)
                 # first, then free the owned units before the all-to-alls: the scatter then
                 # holds the output, the packed results and one bucket's receive buffer, not
                 # the owned units as well (with one bucket: 4 x owned elements fewer bytes
                 # at its peak).
                 tables = list(self.scatter_tables.values())
-                sends = [self._pack(t, owned, out) for t in tables]
-                del owned
+                sends = [self._pack(t, box[0], out) for t in tables]
+                box.clear()
                 for t in tables:  # popped: each send buffer is freed once sent
                     self._send(t, [sends.pop(0)], out, "scatter", async_op=False)
+            box.clear()
         return out

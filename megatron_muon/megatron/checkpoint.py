@@ -18,11 +18,18 @@ from typing import Optional
 
 import torch.distributed as dist
 
-__all__ = ["save_checkpoint", "load_checkpoint", "sync_params", "SHARDING_TYPE",
+__all__ = ["save_checkpoint", "load_checkpoint", "sync_params", "SHARDING_TYPE", "SHARDING_TYPES",
            "ScheduleMismatchError", "schedule_differences", "CheckpointLoadError",
            "checkpoint_problem", "no_checkpoint_reason"]
 
 SHARDING_TYPE = "fully_reshardable"
+#: Formats of Megatron's DistributedOptimizer state that ``save_checkpoint`` can write (and
+#: ``load_checkpoint`` reads back, from the checkpoint's own record): ``fully_reshardable``
+#: (the default here: loads on any DP / TP / PP layout; Megatron gathers the state on DP rank
+#: 0 at save, which costs the stage's state in memory there), ``dp_reshardable``
+#: (Megatron-LM's default: every rank writes its own buffers, no gather; reshards across DP
+#: only) and ``fully_sharded_model_space``.  DMuon's state has one format of its own.
+SHARDING_TYPES = ("fully_reshardable", "dp_reshardable", "fully_sharded_model_space")
 
 
 # OptimizerParamScheduler state -> the command-line flag it comes from
@@ -72,15 +79,17 @@ def _model_state(model: list, is_loading: bool) -> dict:
     return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(model)}
 
 
-def _sharded_state(model, optimizer, scheduler, step: int, is_loading: bool) -> dict:
+def _sharded_state(model, optimizer, scheduler, step: int, is_loading: bool,
+                   sharding_type: str = SHARDING_TYPE) -> dict:
     if is_loading:
         from megatron_muon.megatron.compat import prepare_torch_adam_for_load
 
         prepare_torch_adam_for_load(optimizer)
     state = _model_state(model, is_loading)
     state["optimizer"] = optimizer.sharded_state_dict(
-        dict(state), is_loading=is_loading, metadata={"distrib_optim_sharding_type": SHARDING_TYPE})
+        dict(state), is_loading=is_loading, metadata={"distrib_optim_sharding_type": sharding_type})
     state["iteration"] = step
+    state["optim_sharding_type"] = sharding_type  # what load_checkpoint asks Megatron for
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler.state_dict()
     return state
@@ -135,19 +144,43 @@ def _write_atomically(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(directory: str, model: list, optimizer, step: int, scheduler=None) -> str:
-    """Write ``directory/iter_{step:07d}`` and a ``latest`` pointer; returns the path."""
+def _fully_parallel_strategy():
+    """Megatron-LM's default save strategy (``--ckpt-fully-parallel-save``): the writes of
+    DP-replicated tensors (the model's parameters) are spread over the DP group instead of
+    all falling to DP rank 0, whose save peak otherwise holds the serialised stage.  Not
+    under ZeRO-3, where each parameter lives on its owner only and the owner writes it."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import \
+        FullyParallelSaveStrategyWrapper
+
+    return FullyParallelSaveStrategyWrapper(
+        get_default_save_sharded_strategy(),
+        parallel_state.get_data_parallel_group(with_context_parallel=True))
+
+
+def save_checkpoint(directory: str, model: list, optimizer, step: int, scheduler=None,
+                    optim_sharding_type: str = SHARDING_TYPE) -> str:
+    """Write ``directory/iter_{step:07d}`` and a ``latest`` pointer; returns the path.
+
+    ``optim_sharding_type``: the format of Megatron's own distributed optimizers' state (one
+    of ``SHARDING_TYPES``; ``load_checkpoint`` reads it from the checkpoint)."""
     from megatron.core import dist_checkpointing
 
-    from megatron_muon.megatron.zero3 import gathered_params
+    from megatron_muon.megatron.zero3 import mark_owner_replicas, owner_only
 
+    if optim_sharding_type not in SHARDING_TYPES:
+        raise ValueError(f"optim_sharding_type must be one of {', '.join(SHARDING_TYPES)}, "
+                         f"got {optim_sharding_type!r}")
     path = os.path.join(directory, f"iter_{step:07d}")
     sync_params(model)
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
-    with gathered_params(model):  # ZeRO-3: parameters materialised while they are written
-        dist_checkpointing.save(_sharded_state(model, optimizer, scheduler, step, False), path)
+    with owner_only(model):  # ZeRO-3: each owner writes its parameters, nothing gathered
+        state = _sharded_state(model, optimizer, scheduler, step, False, optim_sharding_type)
+        owned = mark_owner_replicas(model, {k: v for k, v in state.items() if k.startswith("model")})
+        dist_checkpointing.save(state, path, None if owned else _fully_parallel_strategy())
     dist.barrier()  # every rank has written its part: only now does `latest` name it
     if dist.get_rank() == 0:
         _write_atomically(os.path.join(directory, "latest"), str(step))
@@ -310,21 +343,29 @@ def load_checkpoint(directory: str, model: list, optimizer, scheduler=None,
     _first_problem(problem)  # all ranks raise, or none
 
     from megatron_muon.megatron.compat import load_optimizer_state
-    from megatron_muon.megatron.zero3 import gathered_params
+    from megatron_muon.megatron.zero3 import drop_non_owned, mark_owner_replicas, owner_only
 
     note = None
+    common = dist_checkpointing.load_common_state_dict(path)
     if scheduler is not None:  # a changed schedule fails before anything is loaded
-        saved = dist_checkpointing.load_common_state_dict(path).get("opt_param_scheduler")
+        saved = common.get("opt_param_scheduler")
         note = _check_schedule(scheduler, saved, path) if saved is not None else None
+    sharding = common.get("optim_sharding_type", SHARDING_TYPE)  # older checkpoints: the default
     try:
-        with gathered_params(model):  # ZeRO-3: each rank keeps what it owns of the loaded model
-            state = dist_checkpointing.load(
-                _sharded_state(model, optimizer, scheduler, step, True), path)
-            if len(model) == 1:
-                unwrap_model(model[0]).load_state_dict(state["model"])
-            else:
-                for i, m in enumerate(model):
-                    unwrap_model(m).load_state_dict(state[f"model{i}"])
+        with owner_only(model):  # ZeRO-3: each rank reads the parameters it owns, no more
+            sharded = _sharded_state(model, optimizer, scheduler, step, True, sharding)
+            names = ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
+            # each parameter's owner is its main replica; the other ranks' entries go
+            mark_owner_replicas(model, {n: sharded[n] for n in names})
+            dropped = {n: drop_non_owned(model, sharded[n]) for n in names}
+            state = dist_checkpointing.load(sharded, path)
+            for n, m in zip(names, model):
+                result = unwrap_model(m).load_state_dict(state[n], strict=not dropped[n])
+                missing = set(getattr(result, "missing_keys", ())) - dropped[n]
+                if missing or getattr(result, "unexpected_keys", ()):
+                    raise RuntimeError(f"checkpoint does not match the model: missing "
+                                       f"{sorted(missing)[:3]}, unexpected "
+                                       f"{sorted(result.unexpected_keys)[:3]}")
         load_optimizer_state(optimizer, state["optimizer"])
         if scheduler is not None and "opt_param_scheduler" in state:
             scheduler.load_state_dict(state["opt_param_scheduler"])

@@ -266,11 +266,11 @@ class ShardedMuonStep(torch.optim.Optimizer):
         """The momentum step (M <- mu M + G, U) with U compared bit for bit against the
         speculated U in ``spec_flat`` and written over it from the first difference on, so
         that ``spec_flat`` ends holding this step's U either way.  U is computed in chunks
-        of parameters (at most an eighth of the shard, or one parameter), foreach within a
-        chunk: the overlap then adds no shard-sized buffer to the step.  Returns whether
-        every element matched."""
+        of parameters (at most an eighth of the shard or of the owned units, whichever is
+        smaller, or one parameter), foreach within a chunk: the overlap then adds no
+        shard-sized buffer to the step.  Returns whether every element matched."""
         same = True
-        limit = max(self.numel // 8, 1)
+        limit = max(min(self.numel, self.engine.owned_numel) // 8, 1)
         for group in self.param_groups:
             ps, start = group["params"], 0
             while start < len(ps):

@@ -8,11 +8,14 @@ known only once every pipeline stage has finished.  DMuon does not wait for them
   (on a copy: nothing is committed) and an asynchronous all-to-all to the units' owners;
 * at the end of the stage's backward (``finish_grad_sync``, which Megatron calls in
   ``finalize_model_grads`` *before* any cross-stage collective, so inside the 1F1B
-  cool-down) the owners wait for their pieces, run batched NS and start the scatters;
-* with ``param_update`` the step does not wait for the scatters: each DDP bucket group's
-  scatter is finished, and its parameters updated and copied to the param buffer, just
-  before that bucket group's param all-gather (``start_param_sync``): under the next
-  forward pass with Megatron's ``overlap_param_gather``, else at the end of the step;
+  cool-down) the owners wait for their pieces and run batched NS; the results stay with
+  the owners, so a speculation holds one buffer beyond the step's own (the owned units)
+  and nothing of the shard's size;
+* a used speculation's results are scattered to the holders in the step, into the step's
+  flat buffer (the speculated U is no longer needed); with ``param_update`` each DDP
+  bucket group's parameters are then updated and copied to the param buffer just before
+  that bucket group's param all-gather (``start_param_sync``): under the next forward pass
+  with Megatron's ``overlap_param_gather``, else at the end of the step;
 * ``optimizer.step()`` recomputes the momentum update from the final (unscaled, maybe
   clipped) main grads exactly as the non-overlapped step does, compares it bit for bit
   with the speculative input, and all ranks of the stage agree (one MIN all-reduce) to use
@@ -88,25 +91,17 @@ class _Group:
 
 @dataclass
 class _Speculation:
-    flat: torch.Tensor
-    owned: torch.Tensor
+    flat: torch.Tensor  # U as speculated; the step's flat buffer once it is taken
+    owned: Optional[torch.Tensor]  # the owners' units: gathered U, then NS results in place
     gathers: list = field(default_factory=list)
-    scatters: dict = field(default_factory=dict)  # engine bucket -> handle
-    out: Optional[torch.Tensor] = None
+    out: Optional[torch.Tensor] = None  # the scattered results (over ``flat``), once used
     complete: bool = False
 
     def drain(self, engine) -> None:
-        """Wait for every exchange still in flight (results are thrown away)."""
+        """Wait for every gather still in flight (results are thrown away)."""
         for h in self.gathers:
             engine.finish(h, self.owned)
         self.gathers = []
-        self.finish_scatters(engine, list(self.scatters))
-
-    def finish_scatters(self, engine, buckets) -> None:
-        for b in buckets:
-            h = self.scatters.pop(b, None)
-            if h is not None:
-                engine.finish(h, self.out)
 
 
 @dataclass
@@ -378,15 +373,8 @@ class DMuonOverlap:
                 eng.finish(h, spec.owned)
             spec.gathers = []
         with span("dmuon.ns"):
-            result = eng.orthogonalize(spec.owned, out=spec.owned)  # gathered U not needed
-        spec.out = torch.zeros_like(spec.flat)
-        with span("dmuon.scatter_launch"):
-            if eng.replicate:
-                eng.keep_local(result, spec.out)
-            else:
-                spec.scatters = {b: eng.scatter(result, b, spec.out, async_op=True)
-                                 for b in eng.scatter_tables}
-        spec.complete = True
+            eng.orthogonalize(spec.owned, out=spec.owned)  # gathered U not needed
+        spec.complete = True  # the results wait on their owners for the step's agreement
         self.stats.speculated += 1
 
     def pending_flat(self) -> Optional[torch.Tensor]:
@@ -423,11 +411,10 @@ class DMuonOverlap:
             return None
         if int(agree.item()) == 1:
             self.stats.used += 1
+            box, spec.owned = [spec.owned], None  # freed once packed (scatter_owned)
+            spec.out = self.engine.scatter_owned(box, spec.flat)  # U is not needed any more
             if self.param_update and self.groups:
                 self.deferred = _Deferred(spec, lr_wd)
-                return spec.out
-            with span("dmuon.scatter_wait"):
-                spec.drain(self.engine)
             return spec.out
         spec.drain(self.engine)
         spec.owned = spec.out = None  # the plain step may run now: free what it does not use
@@ -447,13 +434,12 @@ class DMuonOverlap:
 
     @torch.no_grad()
     def flush(self, i: int) -> None:
-        """Finish bucket group i's deferred scatter and update (before its param all-gather)."""
+        """Apply bucket group i's deferred update (before its param all-gather)."""
         d = self.deferred
         if d is None or i in d.done:
             return
         g = self.groups[i]
-        with span("dmuon.scatter_wait_update", bucket_group=i):
-            d.spec.finish_scatters(self.engine, g.engine_buckets)
+        with span("dmuon.deferred_update", bucket_group=i):
             for e in g.entries:
                 lr, wd = d.lr_wd[e.main_param]
                 o = d.spec.out[e.offset: e.offset + e.main_param.numel()].view_as(e.main_param)

@@ -48,7 +48,7 @@ from megatron_muon.megatron import hooks
 logger = logging.getLogger(__name__)
 
 __all__ = ["MatrixZeRO3", "shard_model", "zero3_of", "zero3s", "gathered_params",
-           "zero3_memory"]
+           "owner_only", "mark_owner_replicas", "drop_non_owned", "zero3_memory"]
 
 
 def _free(t: torch.Tensor) -> None:
@@ -449,17 +449,110 @@ def shard_model(model_chunks) -> list:
 
 def _wrap_state_dict(chunk) -> None:
     """Model (sharded) state dicts see gathered parameters: the buckets are gathered before
-    and stay so until the next release (next forward, zero_grad_buffer or optimizer step)."""
+    and stay so until the next release (next forward, zero_grad_buffer or optimizer step);
+    inside ``owner_only`` (checkpoints) the sharded state dict and the load see each rank's
+    own parameters only, nothing gathered."""
     inner = chunk.module
     z = zero3_of(chunk)
-    for name in ("state_dict", "sharded_state_dict", "load_state_dict"):
-        z.registrations.append(hooks.before(inner, name, z.gather_all))
+    z.owner_only = False
+
+    def gather_unless_owner_only():
+        if not z.owner_only:
+            z.gather_all()
+
+    z.registrations.append(hooks.before(inner, "state_dict", z.gather_all))
+    for name in ("sharded_state_dict", "load_state_dict"):
+        z.registrations.append(hooks.before(inner, name, gather_unless_owner_only))
+
+
+def _sharded_leaves(tree):
+    if isinstance(tree, dict):
+        for v in tree.values():
+            yield from _sharded_leaves(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _sharded_leaves(v)
+    elif hasattr(tree, "replica_id") and torch.is_tensor(getattr(tree, "data", None)):
+        yield tree  # a ShardedTensor or ShardedTensorFactory
+
+
+def _storages(model_chunks) -> tuple:
+    """(storages of owned parameters, storages of gather buffers) of every ZeRO-3 bucket: an
+    owned parameter is a view of its bucket's ``pshard``, any other of its gather buffer."""
+    owned, others = set(), set()
+    for z in zero3s(model_chunks):
+        for zb in z.buckets:
+            owned.add(zb.pshard.untyped_storage()._cdata)
+            others.add(zb.pfull.untyped_storage()._cdata)
+    return owned, others
+
+
+def _zero3_params(model_chunks) -> int:
+    return sum(len(zb.params) for z in zero3s(model_chunks) for zb in z.buckets)
+
+
+def mark_owner_replicas(model_chunks, sharded_state_dict) -> int:
+    """Make each ZeRO-3 parameter's owner its checkpoint's writer: in the model's sharded
+    state dict, a parameter's ShardedTensors (and factories) get replica_id ``(..., 0)`` on
+    the DP rank that owns it and ``(..., 1)`` on the others, whose copies are never read
+    (``dist_checkpointing`` writes main replicas only).  Megatron marks DP rank 0 the writer
+    of every parameter, which under ZeRO-3 would need the whole stage gathered there.
+    Returns how many entries it marked; raises if a ZeRO-3 parameter's entry is a copy
+    whose owner it cannot tell."""
+    owned, others = _storages(model_chunks)
+    if not owned:
+        return 0
+    marked = 0
+    for sh in _sharded_leaves(sharded_state_dict):
+        where = sh.data.untyped_storage()._cdata
+        if where in owned or where in others:
+            sh.replica_id = (*tuple(sh.replica_id)[:-1], 0 if where in owned else 1)
+            marked += 1
+    if marked < _zero3_params(model_chunks):
+        raise RuntimeError(f"ZeRO-3 checkpoint: {_zero3_params(model_chunks) - marked} "
+                           "parameters' entries are not views of their buckets; cannot tell "
+                           "their owners")
+    return marked
+
+
+def drop_non_owned(model_chunks, sharded_state_dict: dict) -> set:
+    """Remove (in place) the entries of ZeRO-3 parameters this rank does not own from a
+    model sharded state dict, so that a load reads only the owned ones (into their
+    ``pshard`` views); returns the removed keys, for ``load_state_dict(strict=False)``."""
+    owned, others = _storages(model_chunks)
+    dropped = set()
+    for key, sh in list(sharded_state_dict.items()):
+        if isinstance(sh, dict):
+            dropped |= {f"{key}.{k}" for k in drop_non_owned(model_chunks, sh)}
+        elif hasattr(sh, "replica_id") and torch.is_tensor(getattr(sh, "data", None)) \
+                and sh.data.untyped_storage()._cdata in others:
+            del sharded_state_dict[key]
+            dropped.add(key)
+    return dropped
+
+
+@contextlib.contextmanager
+def owner_only(model_chunks):
+    """Checkpoints without gathering: inside the block the model's sharded state dict is
+    built from the parameters as they are (``mark_owner_replicas`` then makes each owner
+    write its own; ``drop_non_owned`` makes each rank read only its own), and
+    ``load_state_dict`` does not gather either.  No rank materialises the stage.  No-op
+    without ZeRO-3."""
+    zs = zero3s(model_chunks)
+    for z in zs:
+        z.release_all()  # non-owned parameters hold no data
+        z.owner_only = True
+    try:
+        yield
+    finally:
+        for z in zs:
+            z.owner_only = False
 
 
 @contextlib.contextmanager
 def gathered_params(model_chunks):
     """Every parameter materialised (all buckets gathered) inside the block; no-op without
-    ZeRO-3.  For checkpoints, evaluation outside hooks and tests."""
+    ZeRO-3.  For evaluation outside hooks and tests (checkpoints use ``owner_only``)."""
     zs = zero3s(model_chunks)
     for z in zs:
         z.gather_all()

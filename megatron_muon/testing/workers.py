@@ -99,6 +99,20 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
             if ov is not None and ov.gate is not None:
                 ov.gate = SpeculationGate(**gate_kw)
                 ov.gate.verdict = verdict
+    # what a complete speculation holds when the step takes it (overlap memory, in elements)
+    spec_held = []
+    for sub in getattr(optim, "chained_optimizers", [optim]):
+        ov = getattr(getattr(sub, "optimizer", None), "overlap", None)
+        if ov is not None:
+            def take(*args, ov=ov, inner=ov.take, **kwargs):
+                spec = ov.spec
+                if spec is not None and spec.complete:
+                    spec_held.append(dict(
+                        flat=spec.flat.numel(), shard=ov.step_opt.numel,
+                        owned=None if spec.owned is None else spec.owned.numel(),
+                        owned_numel=ov.engine.owned_numel, out=spec.out is not None))
+                return inner(*args, **kwargs)
+            ov.take = take
     recorder = None
     if record_muon_collectives:
         from megatron_muon.testing.collectives import CollectiveRecorder
@@ -117,11 +131,16 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
         enable_tracing(model, optim)
     lr = layout_ranks()
     losses, norms = [], []
+    # ZeRO-3: buckets gathered while saving / loading (each owner writes / reads its own)
+    gathers_in_save = gathers_in_load = None
     start = 0
     if checkpoint and checkpoint.get("load"):
         from megatron_muon.megatron.checkpoint import load_checkpoint
+        from megatron_muon.megatron.zero3 import zero3s
 
+        before = sum(z.stats["gathers"] for z in zero3s(model))
         start = load_checkpoint(checkpoint["load"], model, optim, sched)
+        gathers_in_load = sum(z.stats["gathers"] for z in zero3s(model)) - before
     history, updated, max_logits = [], [], []
     base_clip = ocfg.clip_grad
     for step in range(start, steps):
@@ -142,9 +161,13 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
             sync_params(model)
             history.append(full_named_params(model))
         if checkpoint and checkpoint.get("save") and step + 1 == checkpoint.get("save_at"):
-            from megatron_muon.megatron.checkpoint import save_checkpoint
+            from megatron_muon.megatron.checkpoint import SHARDING_TYPE, save_checkpoint
+            from megatron_muon.megatron.zero3 import zero3s
 
-            save_checkpoint(checkpoint["save"], model, optim, step + 1, sched)
+            before = sum(z.stats["gathers"] for z in zero3s(model))
+            save_checkpoint(checkpoint["save"], model, optim, step + 1, sched,
+                            optim_sharding_type=checkpoint.get("sharding", SHARDING_TYPE))
+            gathers_in_save = sum(z.stats["gathers"] for z in zero3s(model)) - before
     max_logit_after = None
     if recheck_max_logit:
         from megatron_muon.megatron.qk_clip import clip_qk
@@ -158,6 +181,7 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
     if recorder is not None:
         recorder.uninstall()
     result = dict(layout=lr, losses=losses, grad_norms=norms, rank=dist.get_rank(),
+                  spec_held=spec_held,
                   updated=updated, history=history, max_logits=max_logits,
                   max_logit_after=max_logit_after,
                   muon_collectives=recorder.records if recorder is not None else None)
@@ -174,7 +198,9 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
                 else:
                     freed += p.untyped_storage().size()
         result["zero3"] = dict(memory=zero3_memory(model), owned=held,
-                               bytes_of_others=freed, stats=[z.stats for z in zs])
+                               bytes_of_others=freed, stats=[z.stats for z in zs],
+                               gathers_in_save=gathers_in_save,
+                               gathers_in_load=gathers_in_load)
     if return_params:
         sync_params(model)
         result["params"] = full_named_params(model)
