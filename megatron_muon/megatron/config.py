@@ -185,8 +185,8 @@ class DMuonOptimizerConfig(OptimizerConfig):
         True, "With the overlap on: start each bucket's gather to the owners right after "
         "its gradient reduce-scatter, while the backward pass goes on.")
     dmuon_overlap_param_update: bool = setting(
-        True, "With the overlap on: optimizer.step() does not wait for DMuon's scatters; "
-        "each bucket's scatter and update finish just before its param all-gather (under the "
+        True, "With the overlap on: optimizer.step() does not apply a used speculation's "
+        "update; each bucket's update lands just before its param all-gather (under the "
         "next forward pass with --overlap-param-gather).")
     dmuon_trace_dir: Optional[str] = setting(
         None, "Write a per-rank Chrome trace (trace_rank<R>.json, Perfetto) of "
