@@ -388,6 +388,15 @@ def test_deleted_checkpoint_file_is_one_line_error(_ckpt_killed_save, tmp_path):
 
 
 @pytest.mark.timeout(600)
+def test_unknown_optimizer_sharding_type_is_refused_before_anything_is_written(tmp_path):
+    from megatron_muon.megatron.checkpoint import save_checkpoint
+
+    with pytest.raises(ValueError, match="optim_sharding_type must be one of fully_reshardable, "
+                                         "dp_reshardable, fully_sharded_model_space, got 'dp'"):
+        save_checkpoint(str(tmp_path), [], None, 1, optim_sharding_type="dp")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_missing_load_dir_warns_and_starts_from_scratch(_ckpt_killed_save, tmp_path):
     missing = tmp_path / "nope"
     out, _ = _ckpt_run(_ckpt_killed_save["cache"], "--train-iters", "2", "--load", str(missing))

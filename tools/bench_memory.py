@@ -49,6 +49,8 @@ import torch  # noqa: E402
 # needs Python 3.12's) at import, before Megatron is imported, and wraps fp32 optimizers.
 from tools.bench_optimizer import _fp32_layer_wise_workaround  # noqa: E402
 
+from megatron_muon.megatron.checkpoint import SHARDING_TYPES  # noqa: E402
+
 VARIANTS = ("adam", "mcore_muon", "dmuon", "dmuon_matrix", "dmuon_zero3")
 
 
@@ -213,7 +215,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=1800, help="per variant, seconds")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--adam-sharding-type", default="dp_reshardable",
-                   choices=("dp_reshardable", "fully_reshardable", "fully_sharded_model_space"),
+                   choices=SHARDING_TYPES,
                    help="the checkpoint format of AdamW's state in the save phase (default: "
                         "Megatron-LM's, dp_reshardable; fully_reshardable gathers the state on "
                         "DP rank 0)")

@@ -419,16 +419,16 @@ class OwnerCentricNS:
         flat pieces), synchronously; ``box`` is emptied, so that the owned units are freed
         as soon as their send buffers are packed (the caller keeps no other reference)."""
         with span("dmuon.scatter"):
-            if self._scatter_prologue(box[0], out):
-                # Pack every bucket's send buffer (and copy the pieces that stay here)
-                # first, then free the owned units before the all-to-alls: the scatter then
-                # holds the output, the packed results and one bucket's receive buffer, not
-                # the owned units as well (with one bucket: 4 x owned elements fewer bytes
-                # at its peak).
-                tables = list(self.scatter_tables.values())
-                sends = [self._pack(t, box[0], out) for t in tables]
+            if not self._scatter_prologue(box[0], out):  # naive mode: nothing to send
                 box.clear()
-                for t in tables:  # popped: each send buffer is freed once sent
-                    self._send(t, [sends.pop(0)], out, "scatter", async_op=False)
+                return out
+            # Pack every bucket's send buffer (and copy the pieces that stay here) first,
+            # then free the owned units before the all-to-alls: the scatter then holds the
+            # output, the packed results and one bucket's receive buffer, not the owned
+            # units as well (with one bucket: 4 x owned elements fewer bytes at its peak).
+            tables = list(self.scatter_tables.values())
+            sends = [self._pack(t, box[0], out) for t in tables]
             box.clear()
+            for t in tables:  # popped: each send buffer is freed once sent
+                self._send(t, [sends.pop(0)], out, "scatter", async_op=False)
         return out

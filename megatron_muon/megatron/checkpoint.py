@@ -70,13 +70,16 @@ def _check_schedule(scheduler, saved: dict, path: str):
     return note
 
 
+def _model_keys(model: list) -> list:
+    """The checkpoint keys of the model chunks: ``model``, or ``model0``, ``model1``, ..."""
+    return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
+
+
 def _model_state(model: list, is_loading: bool) -> dict:
     from megatron.core.utils import unwrap_model
 
-    model = unwrap_model(list(model))
-    if len(model) == 1:
-        return {"model": model[0].sharded_state_dict()}
-    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(model)}
+    chunks = unwrap_model(list(model))
+    return {k: m.sharded_state_dict() for k, m in zip(_model_keys(chunks), chunks)}
 
 
 def _sharded_state(model, optimizer, scheduler, step: int, is_loading: bool,
@@ -179,7 +182,7 @@ def save_checkpoint(directory: str, model: list, optimizer, step: int, scheduler
     dist.barrier()
     with owner_only(model):  # ZeRO-3: each owner writes its parameters, nothing gathered
         state = _sharded_state(model, optimizer, scheduler, step, False, optim_sharding_type)
-        owned = mark_owner_replicas(model, {k: v for k, v in state.items() if k.startswith("model")})
+        owned = mark_owner_replicas(model, {k: state[k] for k in _model_keys(model)})
         dist_checkpointing.save(state, path, None if owned else _fully_parallel_strategy())
     dist.barrier()  # every rank has written its part: only now does `latest` name it
     if dist.get_rank() == 0:
@@ -354,7 +357,7 @@ def load_checkpoint(directory: str, model: list, optimizer, scheduler=None,
     try:
         with owner_only(model):  # ZeRO-3: each rank reads the parameters it owns, no more
             sharded = _sharded_state(model, optimizer, scheduler, step, True, sharding)
-            names = ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
+            names = _model_keys(model)
             # each parameter's owner is its main replica; the other ranks' entries go
             mark_owner_replicas(model, {n: sharded[n] for n in names})
             dropped = {n: drop_non_owned(model, sharded[n]) for n in names}

@@ -465,15 +465,13 @@ def _wrap_state_dict(chunk) -> None:
         z.registrations.append(hooks.before(inner, name, gather_unless_owner_only))
 
 
-def _sharded_leaves(tree):
-    if isinstance(tree, dict):
-        for v in tree.values():
-            yield from _sharded_leaves(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from _sharded_leaves(v)
-    elif hasattr(tree, "replica_id") and torch.is_tensor(getattr(tree, "data", None)):
-        yield tree  # a ShardedTensor or ShardedTensorFactory
+def _storage_of(entry) -> Optional[int]:
+    """The storage of a sharded state dict entry's data: a ShardedTensor's or a
+    ShardedTensorFactory's tensor (None for any other entry)."""
+    data = getattr(entry, "data", None)
+    if hasattr(entry, "replica_id") and torch.is_tensor(data):
+        return data.untyped_storage()._cdata
+    return None
 
 
 def _storages(model_chunks) -> tuple:
@@ -499,12 +497,14 @@ def mark_owner_replicas(model_chunks, sharded_state_dict) -> int:
     of every parameter, which under ZeRO-3 would need the whole stage gathered there.
     Returns how many entries it marked; raises if a ZeRO-3 parameter's entry is a copy
     whose owner it cannot tell."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
     owned, others = _storages(model_chunks)
     if not owned:
         return 0
     marked = 0
-    for sh in _sharded_leaves(sharded_state_dict):
-        where = sh.data.untyped_storage()._cdata
+    for sh in nested_values(sharded_state_dict):
+        where = _storage_of(sh)
         if where in owned or where in others:
             sh.replica_id = (*tuple(sh.replica_id)[:-1], 0 if where in owned else 1)
             marked += 1
@@ -519,16 +519,19 @@ def drop_non_owned(model_chunks, sharded_state_dict: dict) -> set:
     """Remove (in place) the entries of ZeRO-3 parameters this rank does not own from a
     model sharded state dict, so that a load reads only the owned ones (into their
     ``pshard`` views); returns the removed keys, for ``load_state_dict(strict=False)``."""
-    owned, others = _storages(model_chunks)
-    dropped = set()
-    for key, sh in list(sharded_state_dict.items()):
-        if isinstance(sh, dict):
-            dropped |= {f"{key}.{k}" for k in drop_non_owned(model_chunks, sh)}
-        elif hasattr(sh, "replica_id") and torch.is_tensor(getattr(sh, "data", None)) \
-                and sh.data.untyped_storage()._cdata in others:
-            del sharded_state_dict[key]
-            dropped.add(key)
-    return dropped
+    _, others = _storages(model_chunks)
+
+    def drop(d: dict) -> set:
+        dropped = set()
+        for key, sh in list(d.items()):
+            if isinstance(sh, dict):
+                dropped |= {f"{key}.{k}" for k in drop(sh)}
+            elif _storage_of(sh) in others:
+                del d[key]
+                dropped.add(key)
+        return dropped
+
+    return drop(sharded_state_dict)
 
 
 @contextlib.contextmanager

@@ -45,6 +45,13 @@ def _poison_grads(model):
     return hook
 
 
+def _zero3_gathers(model) -> int:
+    """ZeRO-3 bucket gathers so far on this rank (0 without ZeRO-3)."""
+    from megatron_muon.megatron.zero3 import zero3s
+
+    return sum(z.stats["gathers"] for z in zero3s(model))
+
+
 def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1,
                    optimizer: str = "adam", opt: Optional[dict] = None, steps: int = 3,
                    ddp: Optional[dict] = None, return_params: bool = True,
@@ -136,11 +143,10 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
     start = 0
     if checkpoint and checkpoint.get("load"):
         from megatron_muon.megatron.checkpoint import load_checkpoint
-        from megatron_muon.megatron.zero3 import zero3s
 
-        before = sum(z.stats["gathers"] for z in zero3s(model))
+        before = _zero3_gathers(model)
         start = load_checkpoint(checkpoint["load"], model, optim, sched)
-        gathers_in_load = sum(z.stats["gathers"] for z in zero3s(model)) - before
+        gathers_in_load = _zero3_gathers(model) - before
     history, updated, max_logits = [], [], []
     base_clip = ocfg.clip_grad
     for step in range(start, steps):
@@ -162,12 +168,11 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
             history.append(full_named_params(model))
         if checkpoint and checkpoint.get("save") and step + 1 == checkpoint.get("save_at"):
             from megatron_muon.megatron.checkpoint import SHARDING_TYPE, save_checkpoint
-            from megatron_muon.megatron.zero3 import zero3s
 
-            before = sum(z.stats["gathers"] for z in zero3s(model))
+            before = _zero3_gathers(model)
             save_checkpoint(checkpoint["save"], model, optim, step + 1, sched,
                             optim_sharding_type=checkpoint.get("sharding", SHARDING_TYPE))
-            gathers_in_save = sum(z.stats["gathers"] for z in zero3s(model)) - before
+            gathers_in_save = _zero3_gathers(model) - before
     max_logit_after = None
     if recheck_max_logit:
         from megatron_muon.megatron.qk_clip import clip_qk
