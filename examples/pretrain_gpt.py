@@ -98,11 +98,11 @@ class _ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see --help)")
 
 
-# The example's Muon defaults (the rest are DMuonOptimizerConfig's): Nesterov, and an update
-# RMS matched to AdamW's (spectral scale x 0.2, as Moonlight), so one --lr serves both parts
-# of the model; fp32 Newton-Schulz on CPU, bf16 with CUDA.
-MUON_DEFAULTS = dict(muon_nesterov=True, muon_extra_scale_factor=0.2,
-                     muon_fp32_matmul_prec="medium" if torch.cuda.is_available() else "highest")
+# The example's Muon defaults (the rest are DMuonOptimizerConfig's, the same on CPU and GPU:
+# Newton-Schulz precision 'medium', bf16, as Megatron's): Nesterov, and an update RMS
+# matched to AdamW's (spectral scale x 0.2, as Moonlight), so one --lr serves both parts of
+# the model.
+MUON_DEFAULTS = dict(muon_nesterov=True, muon_extra_scale_factor=0.2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
                    default="auto", help="auto: Transformer Engine on CUDA when it imports")
     g.add_argument("--bf16", action="store_true",
                    help="bf16 parameters and compute (fp32 main weights in the optimizer)")
+    g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="GPU: fuse the weight-gradient accumulation into main_grad where "
+                        "apex's fused_weight_gradient_mlp_cuda kernel imports, as Megatron-LM "
+                        "does (--no-gradient-accumulation-fusion: Megatron-LM's flag to turn it "
+                        "off); CPU: always off")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=4,
@@ -477,6 +483,31 @@ def use_transformer_engine(args) -> bool:
     return True
 
 
+def fused_wgrad_available() -> bool:
+    """Megatron's own test for gradient accumulation fusion: apex's CUDA extension (every
+    ``ColumnParallelLinear``, the output layer included, needs it; TE's layers fuse too)."""
+    import importlib.util
+
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+def device_transformer_fields(args, on_gpu: bool) -> dict:
+    """The ``TransformerConfig`` fields that depend on the device.
+
+    GPU: what Megatron-LM gives a GPU run: gradient accumulation fused into ``main_grad``
+    (its ``--no-gradient-accumulation-fusion`` default, here where the kernel imports); every
+    other field keeps Megatron-Core's default.  CPU: the one CPU-only branch.
+    """
+    if on_gpu:
+        return dict(gradient_accumulation_fusion=args.gradient_accumulation_fusion and
+                    fused_wgrad_available())
+    # ---- CPU only (gloo ranks, megatron_muon.megatron.cpu_mode): no fused CUDA kernels
+    # (gradient accumulation fusion is one), no batched p2p, CPU initialisation
+    from megatron_muon.megatron.cpu_mode import cpu_transformer_config
+
+    return dict(cpu_transformer_config(), gradient_accumulation_fusion=False)
+
+
 def build_model(args) -> list:
     """GPTModel for this rank's pipeline stage, wrapped in Megatron DDP (ZeRO-1 buffers)."""
     from megatron.core import parallel_state as ps
@@ -486,12 +517,10 @@ def build_model(args) -> list:
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_muon.megatron.cpu_mode import cpu_transformer_config
     from megatron_muon.megatron.models import wire_ddp_hooks
 
     on_gpu = torch.cuda.is_available()
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    cpu_only = cpu_transformer_config()  # {} on GPUs
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
@@ -503,8 +532,8 @@ def build_model(args) -> list:
         init_method_std=args.init_method_std, add_bias_linear=False,
         gated_linear_unit=args.swiglu,
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
-        gradient_accumulation_fusion=False, qk_clip=args.qk_clip,
-        qk_clip_threshold=args.qk_clip_threshold, qk_clip_alpha=args.qk_clip_alpha, **cpu_only)
+        qk_clip=args.qk_clip, qk_clip_threshold=args.qk_clip_threshold,
+        qk_clip_alpha=args.qk_clip_alpha, **device_transformer_fields(args, on_gpu))
     if use_transformer_engine(args):
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec)

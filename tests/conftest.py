@@ -1,9 +1,21 @@
 import os
+import typing
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+# emerging_optimizers 0.3 (Megatron-Core 0.19's Muon, AdaptiveMuon, Lion) imports
+# typing.override, new in Python 3.12; megatron.core.optimizer imports it as soon as it is
+# installed.  On 3.11 alias typing_extensions' here, for this process and the ranks it forks
+# (CI's 0.19.2 lane does it for every process: .ci/typing_override.pth).
+if not hasattr(typing, "override"):
+    try:
+        import typing_extensions
+
+        typing.override = typing_extensions.override
+    except ImportError:
+        pass
 # run_ranks forks test ranks from this process instead of starting interpreters that each
 # import torch and Megatron again (megatron_muon/testing/launch.py); set it to 'spawn' to
 # start every rank fresh
@@ -30,7 +42,7 @@ def mcore_version():
 # 30 minutes on 2 cores.  Entries are a file (all of it) or (file, test name or test id).
 SECONDARY_LANE = {
     "test_megatron_lm.py", "test_patch.py", "test_config.py", "test_groups.py", "test_hooks.py",
-    "test_islands.py",
+    "test_islands.py", "test_production_flags.py",
     ("test_dmuon.py", "test_dmuon_equals_reference[tp2dp2]"),
     ("test_dmuon.py", "test_dmuon_equals_reference[pp2dp2]"),
     ("test_dmuon.py", "test_resume_is_bitwise_identical"),
@@ -46,6 +58,10 @@ SECONDARY_LANE = {
     ("test_scalars.py", "test_lion_matches_megatron_cores_lion"),
     ("test_scalars.py", "test_lion_subset_equals_reference_and_resumes_exactly"),
     ("test_scalars.py", "test_qk_clip_with_dmuon_equals_reference_and_stays_clipped"),
+    # the peers, installed in this lane only (.ci/run): emerging_optimizers' AdaptiveMuon and
+    # Lion, Megatron-Core's own Muon on its layer-wise distributed optimizer
+    ("test_moment2.py", "test_reference_matches_emerging_optimizers"),
+    "test_peers.py",
 }
 
 

@@ -202,3 +202,27 @@ def test_megatron_flags_table_lists_every_megatron_muon_field():
                if f.name.startswith("qk_clip") or f.name == "log_max_attention_logit"}
     assert wanted, "no Muon fields found: the prefixes are wrong"
     assert not wanted - rows, f"docs/megatron_flags.md lacks rows for {sorted(wanted - rows)}"
+
+
+def test_documented_defaults_equal_the_configs():
+    """docs/usage.md's table of config fields (``| `field` | default | meaning |``) says the
+    default each field really has: every row's default is ``DMuonOptimizerConfig``'s, and
+    every field the command line generates has a row."""
+    import re
+    from pathlib import Path
+
+    from megatron_muon.megatron.config import cli_fields, config_defaults
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
+    defaults = config_defaults()
+    rows = {}
+    for line in text.splitlines():
+        m = re.match(r"\| `([a-z0-9_]+)` \| ([^|]+) \|", line)
+        if m and m.group(1) in defaults:
+            rows[m.group(1)] = m.group(2).strip().strip("`")
+    assert len(rows) >= 20, f"the config-field table of docs/usage.md was not found: {rows}"
+    wrong = {name: (doc, defaults[name]) for name, doc in rows.items()
+             if doc != str(defaults[name])}
+    assert not wrong, f"docs/usage.md: documented default vs the config's: {wrong}"
+    missing = sorted(f.name for f in cli_fields() if f.name not in rows)
+    assert not missing, f"docs/usage.md's config-field table lacks {missing}"

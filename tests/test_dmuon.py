@@ -45,6 +45,18 @@ MUON_ATOL = STEPS * OPT["lr"] * math.sqrt(128) * 1.2 * 2 * K * EPS32  # = 4.3e-6
 ADAM_G = 0.1
 ADAM_ATOL = STEPS * 2 * OPT["lr"] * math.sqrt(2 * K) * EPS32 * ADAM_G / OPT["adam_eps"]  # 3.9e-6
 
+# Weight decay that the comparisons can see.  OPT keeps make_optimizer_config's
+# weight_decay = 0.01: over STEPS steps W (1 - lr wd) moves a weight by ~STEPS lr wd |w| =
+# 1e-4 |w|, at most 7e-6..9e-6 per matrix here (max |w| = 0.067..0.091), 1.6..2.1x
+# MUON_ATOL and below it for all but the largest weights: a decay missing on every matrix
+# fails only just (2.0x), one missed in 2 of the 5 steps (0.8x) passes.  One case
+# of each layout family (DP, TP, PP, matrix placement) runs with WD_OPT (wd = 0.1), whose
+# decay moves every matrix by >= 5x MUON_ATOL (decay_is_visible; measured 16..21x).  The
+# tolerances are unchanged: both sides scale W by the same 1 - lr wd <= 1 (the same op),
+# which shrinks an earlier difference and adds at most a rounding of |w| <= 0.09 per step
+# (5 x 0.09 x EPS32 = 5e-8, 1% of MUON_ATOL).
+WD_OPT = dict(OPT, weight_decay=0.1)
+
 
 def fp32_atol(name, param):
     """What the arithmetic allows a layout's ``name`` to differ from the reference by."""
@@ -111,9 +123,27 @@ def assert_matches(full, ref):
     assert moved > 100 * MUON_ATOL, "the Muon matrices barely moved: a vacuous comparison"
 
 
+def decay_is_visible(opt):
+    """``opt``'s decay moves each Muon matrix's largest weight by STEPS lr wd |w| (to first
+    order; |w| changes by ~1e-2 of itself over the run): >= 5x MUON_ATOL, so that dropping
+    or doubling it fails the comparison."""
+    init = reference(steps=0)["params"]
+    lr_wd = opt["lr"] * opt.get("weight_decay", 0.01)
+    smallest = min((STEPS * lr_wd * init[n].abs().max().item(), n)
+                   for n in init if is_muon_matrix(n, init[n]))
+    assert smallest[0] > 5 * MUON_ATOL, smallest
+
+
+def plain_dmuon(layout):
+    """DMuon with WD_OPT, and its exchange geometry: one launch per layout, shared by the
+    tests below (train's cache)."""
+    return train(layout, opt=WD_OPT, exchange_geometry=True)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_dmuon_equals_reference(layout):
-    assert_matches(merged_params(train(layout)), reference())
+    decay_is_visible(WD_OPT)
+    assert_matches(merged_params(plain_dmuon(layout)), reference(opt=WD_OPT))
 
 
 def test_gram_newton_schulz_equals_the_gram_reference():
@@ -138,34 +168,97 @@ def test_interleaved_pipeline_equals_reference():
 
 
 def test_tp1_and_tp2_give_the_same_update():
-    a, b = merged_params(train("dp4")), merged_params(train("tp2dp2"))
+    a, b = merged_params(plain_dmuon("dp4")), merged_params(plain_dmuon("tp2dp2"))
     assert worst_excess(a, b)[0] < 1, worst_excess(a, b)
 
 
 def test_muon_naive_equals_reference_and_moves_more_bytes():
-    naive = train("tp2dp2", optimizer="muon_naive")
-    assert_matches(merged_params(naive), reference())
-    dm = train("tp2dp2")
+    naive = train("tp2dp2", optimizer="muon_naive", opt=WD_OPT)
+    assert_matches(merged_params(naive), reference(opt=WD_OPT))
+    dm = plain_dmuon("tp2dp2")
     n_recv = max(r["dmuon_stats"]["comm"]["bytes_received"] for r in naive)
     d_recv = max(r["dmuon_stats"]["comm"]["bytes_received"] for r in dm)
     assert n_recv > 2 * d_recv
 
 
+def exchange_elements(geometry: dict) -> dict:
+    """The elements each all-to-all of one step must move for this rank, counted from the
+    plan (each unit's owner) and the geometry (which group rank holds which flat range of
+    which TP shard), independently of the engine's exchange tables: a unit's elements held
+    by a rank other than its owner cross the wire twice, to the owner (gather) and back
+    (scatter); those the owner holds itself do not move.  Per matrix, a full-matrix index
+    grid is cut into its TP shards (the full matrix is the shards concatenated in TP order
+    along tp_dim) and a piece [start, end) of shard t is those flat elements of it."""
+    me = geometry["rank"]
+    n = dict(gather_sent=0, gather_received=0, scatter_sent=0, scatter_received=0)
+    for mat in geometry["matrices"]:
+        m, k = mat["shape"]
+        idx = torch.arange(m * k).view(m, k)
+        shards = ([idx.reshape(-1)] * mat["tp_size"] if mat["tp_dim"] is None else
+                  [t.reshape(-1) for t in idx.chunk(mat["tp_size"], dim=mat["tp_dim"])])
+        masks = []
+        for dim, blocks in mat["units"]:
+            mask = torch.zeros(m, k, dtype=torch.bool)
+            for start, length in blocks:
+                mask.narrow(dim, start, length).fill_(True)
+            masks.append(mask.reshape(-1))
+        # units tile the matrix; each TP shard's pieces tile it once
+        assert bool((torch.stack(masks).sum(0) == 1).all()), mat["key"]
+        for t, shard in enumerate(shards):
+            cover = torch.zeros(shard.numel(), dtype=torch.int32)
+            for _, tp_rank, start, end, _ in mat["pieces"]:
+                if tp_rank == t:
+                    cover[start:end] += 1
+            assert bool((cover == 1).all()), (mat["key"], t)
+        for rank, tp_rank, start, end, source in mat["pieces"]:
+            held = shards[tp_rank][start:end]
+            for mask, owner in zip(masks, mat["owners"]):
+                c = int(mask[held].sum())
+                if rank == owner:
+                    continue
+                if rank == me:  # my piece of another rank's unit
+                    n["gather_sent"] += c * source
+                    n["scatter_received"] += c
+                elif owner == me:  # another rank's piece of my unit
+                    n["gather_received"] += c * source
+                    n["scatter_sent"] += c
+    n["buckets"] = len({mat["bucket"] for mat in geometry["matrices"]})
+    return n
+
+
 @pytest.mark.parametrize("layout", ["dp4", "tp2dp2", "tp2pp2dp2"])
 def test_traffic_and_state_per_rank(layout):
-    """Bytes per rank <= 2 (N-1)/N^2 of the stage's Muon bytes; state sums to 1x, ~1/N each."""
-    results = train(layout)
+    """Exactly the bytes and all-to-alls the owner plan and the geometry imply
+    (exchange_elements), within 2 (N-1)/N^2 of the stage's Muon bytes per rank; state sums
+    to 1x, ~1/N each."""
+    results = plain_dmuon(layout)
     by_stage = {}
     for r in results:
         by_stage.setdefault(r["layout"]["pp"], []).append(r)
     for ranks in by_stage.values():
         n = len(ranks)
-        muon_bytes = 4 * ranks[0]["dmuon_stats"]["muon_numel"]
+        muon_bytes = 4 * ranks[0]["dmuon_stats"]["muon_numel"]  # fp32 gradients
         bound = 2 * (n - 1) / n**2 * muon_bytes * STEPS
+        moved = 0
         for r in ranks:
             c = r["dmuon_stats"]["comm"]
+            e = exchange_elements(r["exchange"])
+            assert r["exchange"]["world"] == n
+            # one gather and one scatter all-to-all per bucket and step (one bucket here:
+            # Megatron's default bucket_size=None without overlap_grad_reduce), nothing else
+            assert e["buckets"] == 1
+            assert c["by_kind"]["gather"][2] == c["by_kind"]["scatter"][2] == STEPS * e["buckets"]
+            assert c["calls"] == 2 * STEPS * e["buckets"]
+            # bytes: 4 per fp32 element, every step
+            assert c["by_kind"]["gather"][:2] == [4 * STEPS * e["gather_sent"],
+                                                  4 * STEPS * e["gather_received"]], (c, e)
+            assert c["by_kind"]["scatter"][:2] == [4 * STEPS * e["scatter_sent"],
+                                                   4 * STEPS * e["scatter_received"]], (c, e)
+            assert c["bytes_sent"] == 4 * STEPS * (e["gather_sent"] + e["scatter_sent"])
+            assert c["bytes_received"] == 4 * STEPS * (e["gather_received"] + e["scatter_received"])
             assert c["bytes_sent"] <= bound and c["bytes_received"] <= bound, (c, bound)
-            assert c["calls"] <= 2 * STEPS  # one gather + one scatter all-to-all per bucket
+            moved += e["gather_sent"]
+        assert moved > 0  # the plan is not all-local (DP4 and TP2: most pieces move)
         state = [r["dmuon_stats"]["state_bytes"] for r in ranks]
         assert sum(state) == muon_bytes  # every element's momentum lives exactly once
         assert max(state) <= 1.5 * muon_bytes / n
@@ -307,8 +400,9 @@ def dp_peers_in_muon_step(results):
 
 @pytest.mark.parametrize("layout", ["dp4", "tp2dp2"])
 def test_matrix_placement_equals_reference_with_no_dp_collective(layout):
-    results = train(layout, opt=MATRIX, record_muon_collectives=True)
-    assert_matches(merged_params(results), reference())
+    results = train(layout, opt=dict(MATRIX, weight_decay=WD_OPT["weight_decay"]),
+                    record_muon_collectives=True)
+    assert_matches(merged_params(results), reference(opt=WD_OPT))
     assert all(not peers for peers in dp_peers_in_muon_step(results).values())
     for r in results:
         st = r["dmuon_stats"]
@@ -385,6 +479,22 @@ def test_zero3_equals_reference_and_stores_each_parameter_once(layout):
         owned = [o for o, _ in ranks]
         assert sum(len(o) for o in owned) == len(set().union(*owned)) == len(ranks[0][1])
         assert set().union(*owned) == ranks[0][1]
+
+
+@pytest.mark.parametrize("layout", ["dp4", "pp2dp2"])
+def test_zero3_with_biases_equals_zero1(layout):
+    """Megatron's linear layers return their bias (skip_bias_add) for the bias-dropout-add
+    that runs after the module: when the module is the last of its bucket to run its forward,
+    ZeRO-3 frees the gather buffer the bias lives in before the bias is read.  Through
+    Megatron-LM at PP2 this was a SIGSEGV on rank 0.  Same model and data as ZeRO-1 DMuon
+    with matrix placement; only the summation order of the per-microbatch reduce-scatters
+    differs, so the fp32 tolerance of the reference comparisons applies."""
+    bias = {"add_bias_linear": True}
+    zero3 = merged_params(train(layout, opt=ZERO3, ddp=ZERO3_DDP, cfg_extra=bias))
+    zero1 = merged_params(train(layout, opt=MATRIX, cfg_extra=bias))
+    assert any(n.endswith("linear_fc2.bias") for n in zero3)
+    assert set(zero3) == set(zero1)
+    assert worst_excess(zero3, zero1)[0] < 1, worst_excess(zero3, zero1)
 
 
 def test_zero3_memory_per_rank_is_near_even_sharding():
@@ -498,3 +608,84 @@ def test_zero3_clear_errors(ddp, placement, lr, match):
         run_ranks("megatron_muon.testing.workers:train_megatron", 2,
                   dict(cfg={}, optimizer="dmuon", opt=dict(ZERO3, lr=lr or OPT["lr"]), steps=3,
                        ddp=ddp, matrix_placement=placement), timeout=120)
+
+
+# --------------------------------------------------------------------------- default precision
+# muon_fp32_matmul_prec's default, 'medium': Newton-Schulz in bf16, in DMuon and in the
+# reference alike (every other test here runs it in fp32, 'highest').
+DEFAULT_PREC = {k: v for k, v in OPT.items() if k != "muon_fp32_matmul_prec"}
+
+
+@pytest.mark.parametrize("layout", ["dp4", "tp2dp2"])
+def test_default_precision_equals_reference(layout):
+    """DMuon at the default precision (bf16 Newton-Schulz) equals the reference at the same
+    precision, one step.
+
+    Tolerance.  The two NS inputs differ only by the fp32 summation order (2 K EPS32
+    relative, as in MUON_ATOL); each run's bf16 NS result then differs from the exact (fp32)
+    NS of its input by its bf16 error E, so by the triangle inequality
+    |DMuon - ref| <= E_dmuon + E_ref + the fp32 bound (MUON_ATOL / STEPS: one step).  E_ref
+    is measured here, per parameter, as |ref(medium) - ref(highest)| (the 'highest'
+    reference is exact NS up to fp32 rounding, ~1e-6 relative, 1e3x below E); E_dmuon is
+    the same bf16 NS (the same function on the same values up to that fp32 order; CPU
+    bf16 bmm gives each matrix of a batch bitwise its unbatched result), of the same size,
+    so the bound is 2 E_ref.  Why not a constant from bf16's unit roundoff u = 2^-8: the
+    first step's momenta are nearly low-rank, and NS multiplies errors along small singular
+    directions by up to its slope at 0, prod(a) = 490 for quintic; measured: layer 2's
+    linear_proj differs by 0.08 = 20 u between bf16 and fp32 NS, 1.3e-3 after the step.
+    AdamW parameters: their first step does not depend on NS, ADAM_ATOL / STEPS.
+    Why one step: from step 2 on the parameters differ by step 1's bf16 difference, the
+    gradients with them, and NS amplifies that again (measured: 5.5e-5 after step 1 at
+    DP4, 1.3e-3 after step 2), so no bound from the arithmetic holds beyond one step; the
+    momentum is checked over 5 steps in fp32 (test_dmuon_equals_reference), where the
+    precision changes nothing."""
+    from megatron_muon.testing.workers import make_optimizer_config
+
+    assert make_optimizer_config("dmuon", **DEFAULT_PREC).muon_fp32_matmul_prec == "medium"
+    full = merged_params(train(layout, opt=DEFAULT_PREC, steps=1))
+    ref = reference(opt=DEFAULT_PREC, steps=1)["params"]
+    exact = reference(steps=1)["params"]
+    init = reference(steps=0)["params"]
+    assert set(full) == set(ref)
+    worst = []
+    for n, r in ref.items():
+        err = (full[n] - r).abs().max().item()
+        if not is_muon_matrix(n, r):
+            assert err < ADAM_ATOL / STEPS, (n, err)
+            continue
+        e_ref = (r - exact[n]).abs().max().item()
+        tol = 2 * e_ref + MUON_ATOL / STEPS
+        worst.append((err / tol, n))
+        # the bound is not vacuous: a step moves every matrix by more than twice it (a lost,
+        # doubled or misplaced update fails)
+        assert (r - init[n]).abs().max().item() > 2 * tol, n
+    excess, name = max(worst)
+    print(f"default precision {layout}: worst {excess:.3f} x tolerance ({name})")
+    assert excess < 1, f"{name}: {excess:.2f} x its tolerance"
+    # and bf16 NS it is: DMuon is nearer the bf16 reference than the fp32 one (a DMuon that
+    # ran fp32 NS would be ~1e-6 from the fp32 reference and E_ref from the other)
+    far = max((full[n] - exact[n]).abs().max().item() for n in ref if is_muon_matrix(n, ref[n]))
+    near = max((full[n] - ref[n]).abs().max().item() for n in ref if is_muon_matrix(n, ref[n]))
+    assert near < far / 2, (near, far)
+
+
+def test_triton_ns_backend_inside_a_dmuon_run():
+    """``dmuon_ns_backend='triton'`` built and stepped inside a DMuon run (Triton's
+    interpreter on CPU: fresh rank processes with TRITON_INTERPRET=1, set before triton
+    reads it) equals the torch backend's run at TP2 x DP2.  Same gradients, same exchange;
+    only the NS kernels' fp32 summation order differs, which the fp32 reference tolerance
+    (MUON_ATOL: summation-order differences amplified by NS) covers over STEPS steps."""
+    pytest.importorskip("triton")
+    tp, pp, world, m = LAYOUTS["tp2dp2"]
+
+    def run(backend):
+        return merged_params(run_ranks(
+            "megatron_muon.testing.workers:train_megatron", world,
+            dict(cfg={"num_microbatches": m, "num_layers": 1}, tp=tp, pp=pp,
+                 optimizer="dmuon", opt=dict(OPT, dmuon_ns_backend=backend), steps=STEPS),
+            timeout=600, start="spawn", env={"TRITON_INTERPRET": "1"}))
+
+    triton, torch_run = run("triton"), run("torch")
+    assert worst_excess(triton, torch_run)[0] < 1, worst_excess(triton, torch_run)
+    # the Triton kernels ran: they round differently from torch's bmm somewhere
+    assert any(not torch.equal(triton[n], torch_run[n]) for n in triton)

@@ -2,8 +2,8 @@
 
 import torch
 
-from megatron_muon.distributed.owner_centric import joint_blocks
-from megatron_muon.core.units import qkv_units, unit_positions
+from megatron_muon.core.units import qkv_units
+from megatron_muon.testing.exchange_oracle import joint_blocks, unit_positions
 
 
 def _expand(blocks):

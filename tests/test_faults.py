@@ -600,13 +600,17 @@ def test_dmuon_check_finite_is_one_line():
                   "data-parallel reduction); the training diverged"),
     # the global grad norm from optimizer.step(): NaN on every rank
     ("shard", [], "error: iteration 2: gradient norm is NaN; the training diverged"),
-    # DMuon raises on rank 1 only; rank 0 waits in the owners' all-to-all
-    ("shard", ["--dmuon-check-finite"], "error: iteration 2: rank 1: DMuon: non-finite"),
+    # DMuon finds it on rank 1 only; the ranks agree first and every rank raises the same
+    # error (naming rank 1), so whichever reports first says the same
+    ("shard", ["--dmuon-check-finite"], "error: iteration 2: rank "),
 ], ids=["ddp-check", "grad-norm", "dmuon-check-finite-one-rank"])
 def test_nan_gradient_on_one_rank(where, flags, expect):
     code, out, err, seconds = _run(*TINY, "--train-iters", "4", *flags, poison=f"{where}:1:2")
     line = _one_error(code, out, err)
     assert line.startswith(expect), line
+    if flags:
+        assert ": DMuon: non-finite (NaN/Inf) Muon gradient or momentum (found on rank 1)" \
+            in line, line
     assert " iter     1/4 " in out and " iter     2/4 " not in out
 
 
@@ -626,3 +630,60 @@ def test_odd_head_dim_is_a_usage_error():
 def test_ffn_size_must_split_over_tp():
     err = _usage_error(*TINY, "--tensor-model-parallel-size", "2", "--ffn-hidden-size", "129")
     assert err == "error: --ffn-hidden-size 129 must be a positive multiple of TP (2)", err
+
+
+# ------------------------------------------------------------------ rank-local failures
+# A check that fails on one rank inside a sequence of collectives must fail on every rank
+# (the same error), or the others wait in the next collective until the NCCL timeout.  On
+# gloo a peer left waiting times out too (the harness's timeout bounds it), so "no hang" is
+# "every rank returned the error within the timeout".
+@pytest.mark.timeout(300)
+def test_check_finite_on_one_rank_raises_the_same_error_on_every_rank():
+    """``dmuon_check_finite``: a NaN in rank 1's momentum shard only.  Every rank of the
+    exchange group raises the same FloatingPointError at the same step, naming rank 1."""
+    from megatron_muon.testing.launch import run_ranks
+
+    res = run_ranks("megatron_muon.testing.workers:check_finite_one_rank", 2,
+                    dict(cfg={"num_layers": 2}, opt=dict(lr=2e-3), poison_rank=1,
+                         poison_step=1), timeout=120)
+    errors = {r["error"] for r in res}
+    assert len(errors) == 1 and None not in errors, errors
+    (err,) = errors
+    assert err.startswith("DMuon: non-finite (NaN/Inf) Muon gradient or momentum (found on "
+                          "rank 1);"), err
+    assert "dmuon_check_finite" in err
+    assert [r["steps"] for r in res] == [1, 1]  # step 0 ran, step 1 raised everywhere
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind,expect", [
+    ("bucket", "DMuon exchange: ranks disagree on the all-to-alls of a step: all-to-all #2 is "
+               "the scatter of bucket 0 on rank 0 but the gather of bucket 7 on rank {bad} "
+               "(4 and 6 all-to-alls)"),
+    ("count", "DMuon exchange: the gather of bucket 1 disagrees across ranks: rank {bad} sends "
+              "28 elements to rank {owner}, which expects 32;"),
+])
+def test_exchange_mismatch_on_one_rank_fails_on_every_rank_naming_the_bucket(kind, expect):
+    """One rank of four builds the exchange from another geometry (w1 in another bucket, or
+    a shorter piece of w1): construction fails on every rank with the same message naming
+    the bucket (and the ranks and counts) instead of an all-to-all that hangs or mixes up
+    the data."""
+    from megatron_muon.testing.launch import run_ranks
+
+    res = run_ranks("megatron_muon.testing.workers:exchange_mismatch", 4, dict(kind=kind),
+                    timeout=120)
+    errors = {r["error"] for r in res}
+    assert len(errors) == 1 and None not in errors, errors
+    want = expect.format(bad=res[0]["bad_rank"], owner=res[0]["owner_of_w1"])
+    assert next(iter(errors)).startswith(want), (errors, want)
+
+
+@pytest.mark.timeout(300)
+def test_exchange_check_passes_an_agreeing_geometry():
+    """The same four ranks without a mismatch: the engine builds and runs (the check only
+    reads counts)."""
+    from megatron_muon.testing.launch import run_ranks
+
+    res = run_ranks("megatron_muon.testing.workers:exchange_mismatch", 4, dict(kind=None),
+                    timeout=120)
+    assert all(r["error"] is None and r["out"].isfinite().all() for r in res)

@@ -7,15 +7,15 @@ applies ``patches/megatron-lm-dmuon.patch`` there (the venv is never touched), a
 Megatron-LM's ``pretrain_gpt.py`` does (config container, mock data) - through
 ``python -m megatron_muon.megatron.cpu_run`` on 4 gloo ranks.  All trainings share one
 launch (``MLM_GPT_RUNS``; the imports dominate a tiny run): adam; dmuon at DP4, TP2 x DP2
-and PP2 x DP2; matrix placement; ZeRO-3; save -> resume -> save with ``--ckpt-format
-torch_dist`` (Megatron-LM's default optimizer sharding); a ZeRO-3 checkpoint of DP4
-resumed on TP2 x DP2 (Megatron-LM's fully reshardable format); the legacy
-``model_provider`` (``get_model``) path with matrix placement.
+and PP2 x DP2; matrix placement; ZeRO-3 at DP4 and PP2 x DP2; save -> resume -> save with
+``--ckpt-format torch_dist`` and Megatron-LM's default checkpoint flags; DP4 checkpoints
+(dmuon, ZeRO-3) resumed on TP2 x DP2 with those flags; full activation recompute with
+dmuon (and dropout) and with ZeRO-3; the legacy ``model_provider`` (``get_model``) path with
+matrix placement.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -27,20 +27,13 @@ from pathlib import Path
 import pytest
 
 from megatron_muon.megatron.cpu_run import with_cpu_defaults
+from megatron_muon.testing.mlm_env import installed_training_dir
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "megatron_muon" / "testing" / "mlm_gpt.py"
 
 
-def _installed_megatron() -> Path | None:
-    spec = importlib.util.find_spec("megatron")
-    for base in (spec.submodule_search_locations or []) if spec else []:
-        if (Path(base) / "training" / "arguments.py").is_file():
-            return Path(base)
-    return None
-
-
-MEGATRON = _installed_megatron()
+MEGATRON = installed_training_dir().parent if installed_training_dir() else None
 needs_training = pytest.mark.skipif(
     MEGATRON is None, reason="this megatron-core ships no megatron/training (0.16.x); "
                              "runs in the megatron-core 0.19.2 lane")
@@ -75,18 +68,29 @@ def _spec(out: Path) -> dict:
     matrix = dm + ["--dmuon-placement", "matrix"]
     zero3 = matrix + ["--dmuon-zero3", "--overlap-grad-reduce"]
     tp2, pp2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
+    untied = ["--untie-embeddings-and-output-weights"]  # ZeRO-3 with PP needs them untied
+    recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", "1"]
+    dropout = ["--hidden-dropout", "0.1"]  # recompute must replay the forward's masks
     save = lambda d: ["--save", str(out / d), "--save-interval", str(SAVE_AT)]  # noqa: E731
     load = lambda d: ["--load", str(out / d), "--ckpt-step", str(SAVE_AT)]  # noqa: E731
-    reshardable = ["--dist-ckpt-optim-fully-reshardable"]  # Megatron-LM: needed to change TP
+    # every checkpoint below is saved with Megatron-LM's default flags (under dmuon they
+    # reshard: megatron_muon.megatron.arguments.reshardable_checkpoints)
     return {"out": str(out), "runs": [
         ["adam", ["--optimizer", "adam"]],
         ["dmuon", dm + save("ck_dmuon")],
         ["dmuon_resume", dm + load("ck_dmuon") + save("ck_resume")],
+        ["dmuon_tp2_resume", dm + tp2 + load("ck_dmuon")],
         ["dmuon_tp2", dm + tp2],
         ["dmuon_pp2", dm + pp2],
         ["matrix", matrix],
-        ["zero3", zero3 + save("ck_zero3") + reshardable],
-        ["zero3_tp2_resume", zero3 + tp2 + load("ck_zero3") + reshardable],
+        ["matrix_pp2", matrix + pp2 + untied],
+        ["zero3", zero3 + save("ck_zero3")],
+        ["zero3_pp2", zero3 + pp2 + untied],
+        ["zero3_tp2_resume", zero3 + tp2 + load("ck_zero3")],
+        ["zero3_recompute", zero3 + recompute],
+        ["dmuon_dropout", dm + dropout],
+        ["dmuon_recompute", dm + dropout + recompute],
         ["legacy_matrix_tp2", matrix + tp2 + ["--legacy-model-provider"]],
     ]}
 
@@ -190,8 +194,8 @@ def _tensors(path: Path) -> dict:
 
 @launched
 def test_save_resume_save_equals_the_uninterrupted_run(runs):
-    """Megatron-LM's --save / --load (torch_dist, its default dp_reshardable optimizer
-    sharding): the resumed run's losses and its final checkpoint (model and optimizer) are
+    """Megatron-LM's --save / --load (torch_dist, its default checkpoint flags; under dmuon
+    the AdamW subset is then fully reshardable): the resumed run's losses and its final checkpoint (model and optimizer) are
     the uninterrupted run's, bit for bit."""
     import torch
 
@@ -201,17 +205,45 @@ def test_save_resume_save_equals_the_uninterrupted_run(runs):
     last = f"iter_{STEPS:07d}"
     whole, resumed = _tensors(out / "ck_dmuon" / last), _tensors(out / "ck_resume" / last)
     assert set(whole) == set(resumed)
-    assert any(k.startswith("chained_0.optimizer.state.momentum_buffer.") for k in whole)
+    # DMuon's momentum is in it (model space; no chained_N prefix in the fully reshardable
+    # format, where every key names its parameter)
+    assert any(k.startswith("optimizer.state.momentum_buffer.") for k in whole), sorted(whole)
     for k in whole:
         assert torch.equal(whole[k], resumed[k]), k
 
 
 @launched
-def test_zero3_checkpoint_reshards_from_dp4_to_tp2dp2(runs):
+def test_checkpoints_reshard_from_dp4_to_tp2dp2_with_default_flags(runs):
+    """Saved with Megatron-LM's default checkpoint flags at DP4, resumed at TP2 x DP2 (it
+    refused with "(TP, PP) mismatch after resume ... dp_reshardable" before dmuon chose the
+    fully reshardable format for its AdamW subset)."""
     _, r = runs
-    resumed = r["zero3_tp2_resume"]
-    assert resumed["first_iteration"] == SAVE_AT + 1
-    _close(resumed["losses"], r["zero3"]["losses"][SAVE_AT:])
+    for resumed, whole in (("dmuon_tp2_resume", "dmuon"), ("zero3_tp2_resume", "zero3")):
+        assert r[resumed]["first_iteration"] == SAVE_AT + 1
+        _close(r[resumed]["losses"], r[whole]["losses"][SAVE_AT:])
+
+
+@launched
+def test_zero3_with_pipeline_parallelism(runs):
+    """ZeRO-3 at PP2 x DP2 through Megatron-LM's loop (rank 0 died of SIGSEGV before the
+    fix: a linear layer's returned bias read from a freed gather buffer) equals matrix
+    placement without ZeRO-3 at the same layout (same initialisation: both PP2)."""
+    _, r = runs
+    assert r["zero3_pp2"]["losses"][0] == r["matrix_pp2"]["losses"][0]
+    _close(r["zero3_pp2"]["losses"], r["matrix_pp2"]["losses"])
+
+
+@launched
+def test_activation_recompute(runs):
+    """Full recompute re-runs each layer's forward in the backward: DMuon (with dropout, so
+    the recomputed masks must be the forward's) and ZeRO-3 (whose hooks then see a layer's
+    forward twice) reach the losses without recompute."""
+    _, r = runs
+    _close(r["dmuon_recompute"]["losses"], r["dmuon_dropout"]["losses"])
+    _close(r["zero3_recompute"]["losses"], r["zero3"]["losses"])
+    # the dropout is real: it changes the trajectory by far more than the tolerance
+    assert max(abs(a - b) for a, b in zip(r["dmuon_dropout"]["losses"][1:],
+                                          r["dmuon"]["losses"][1:])) > 10 * TOLERANCE
 
 
 # --------------------------------------------------------------------------- the runner
@@ -241,3 +273,42 @@ def test_cpu_run_usage_errors():
     out = subprocess.run([sys.executable, "-m", "megatron_muon.megatron.cpu_run", "no_such.py"],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 2 and "no such script: no_such.py" in out.stderr
+
+
+def test_dataset_helpers_build_for_the_running_interpreter(tmp_path, monkeypatch):
+    """A Megatron-LM checkout's Makefile takes the extension suffix from ``python3-config``
+    on PATH; under pyenv its ``.python-version`` (3.12) points that at another interpreter,
+    and the helper is built under a name this one cannot import (issue: a fresh checkout's
+    README try-out died with "No module named ...helpers_cpp").  PATH here leads to such a
+    wrong ``python3-config`` and to a ``python3`` without pybind11; the build must still give
+    a module that this interpreter imports."""
+    import importlib
+    import sysconfig
+
+    pytest.importorskip("pybind11")
+    from megatron_muon.megatron.cpu_run import build_dataset_helpers
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3-config").write_text("#!/bin/sh\necho .cpython-312-x86_64-linux-gnu.so\n")
+    (fake / "python3").write_text("#!/bin/sh\nexit 1\n")
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    # the Makefile's shape, as a checkout's (suffix and includes from PATH's interpreter)
+    (pkg / "Makefile").write_text(
+        "CXXFLAGS += -O0 -shared -std=c++17 -fPIC\n"
+        "CPPFLAGS += $(shell python3 -m pybind11 --includes)\n"
+        "LIBEXT = $(shell python3-config --extension-suffix)\n"
+        "OUT = helpers_cpp$(LIBEXT)\n"
+        "default: $(OUT)\n"
+        "$(OUT): helpers.cpp\n\t$(CXX) $(CXXFLAGS) $(CPPFLAGS) $< -o $@\n")
+    (pkg / "helpers.cpp").write_text(
+        "#include <pybind11/pybind11.h>\n"
+        "PYBIND11_MODULE(helpers_cpp, m) { m.def(\"answer\", []() { return 42; }); }\n")
+    build_dataset_helpers(pkg)
+    assert (pkg / f"helpers_cpp{sysconfig.get_config_var('EXT_SUFFIX')}").is_file()
+    monkeypatch.syspath_prepend(str(pkg))
+    assert importlib.import_module("helpers_cpp").answer() == 42

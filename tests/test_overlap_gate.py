@@ -122,8 +122,11 @@ def test_step_compares_with_the_speculated_u_in_place(changed, numel_scale):
     """ShardedMuonStep._momentum_into_speculated (the step with a pending speculation):
     the momentum is committed exactly as the plain step commits it, the result says
     whether U matched the speculated U bit for bit, and the speculated buffer ends holding
-    this step's U whichever parameter (if any) differed first.  Exact equality: the same
-    element-wise foreach ops as the plain step, only grouped in other chunks."""
+    this step's U whichever parameter (if any) differed first.  The speculation is the
+    overlap's own (``overlap.speculated_u``), so an unchanged gradient must match: a
+    speculation computed with another kernel than the step's (it once used a foreach add
+    where the step uses ``torch.add(out=)``) would be redone on every step where the two
+    round differently."""
     import functools
     from types import SimpleNamespace
 
@@ -131,6 +134,7 @@ def test_step_compares_with_the_speculated_u_in_place(changed, numel_scale):
 
     from megatron_muon.core.muon import momentum_update_
     from megatron_muon.megatron.dmuon import ShardedMuonStep
+    from megatron_muon.megatron.overlap import speculated_u
 
     g = torch.Generator().manual_seed(1)
     ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in ((4, 3), (5, 2), (3, 3))]
@@ -147,10 +151,11 @@ def test_step_compares_with_the_speculated_u_in_place(changed, numel_scale):
                          state={p: {"momentum_buffer": m.clone()} for p, m in zip(ps, moms)})
     me._slice = functools.partial(ShardedMuonStep._slice, me)
     me._grad = ShardedMuonStep._grad
-    # the speculation: U from copies of the momentum (as the overlap computes it)
+    # the speculation, by the overlap's own function (from copies of the momentum)
     spec = torch.empty(off)
-    momentum_update_([m.clone() for m in moms], [p.grad for p in ps], 0.9, True,
-                     [me._slice(spec, p) for p in ps])
+    for p in ps:
+        speculated_u(me, p, p.grad.clone(), spec[offsets[p]: offsets[p] + p.numel()])
+    assert all(torch.equal(me.state[p]["momentum_buffer"], m) for p, m in zip(ps, moms))
     if changed is not None:  # that parameter's gradient changed after the speculation
         ps[changed].grad.mul_(0.5)
     # the plain step's U and momentum, for reference

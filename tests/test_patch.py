@@ -34,11 +34,9 @@ PATCH = REPO / "patches" / "megatron-lm-dmuon.patch"
 
 
 def _installed_training_dir():
-    spec = importlib.util.find_spec("megatron")
-    for base in (spec.submodule_search_locations or []) if spec else []:
-        if (Path(base) / "training" / "arguments.py").is_file():
-            return Path(base) / "training"
-    return None
+    from megatron_muon.testing.mlm_env import installed_training_dir
+
+    return installed_training_dir()
 
 
 def _mcore_version() -> str:

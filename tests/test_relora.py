@@ -51,7 +51,8 @@ def _adapter_key(param_name: str) -> str:
 
 @pytest.mark.timeout(10)
 def test_jagged_lr_and_bad_input():
-    from megatron_muon.peft.relora import _check_reset, jagged_lr, prune_by_magnitude
+    from megatron_muon.peft.relora import jagged_lr, prune_by_magnitude
+    from megatron_muon.peft.resets import check_reset
 
     kw = dict(lr=1.0, min_lr=0.0, warmup=0, total=100, restart_every=10, restart_warmup=4)
     assert jagged_lr(0, **kw) == 1.0
@@ -64,9 +65,9 @@ def test_jagged_lr_and_bad_input():
     prune_by_magnitude(t, 0.5)  # the 3 smallest |x| (0.5, 1, 1 -- the tie goes too) -> 0
     assert t.tolist() == [3.0, 0.0, 0.0, -4.0, 2.0, 0.0]
     with pytest.raises(ValueError, match="reset must be one of"):
-        _check_reset("forget", 0.5)
+        check_reset("forget", 0.5)
     with pytest.raises(ValueError, match="prune ratio"):
-        _check_reset("prune", 1.5)
+        check_reset("prune", 1.5)
 
 
 @pytest.mark.timeout(600)

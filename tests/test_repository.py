@@ -81,3 +81,48 @@ def test_library_code_does_not_import_the_test_harness():
         assert not bad, (path, bad)
     for path in (REPO / "examples").glob("pretrain_gpt.py"):
         assert not {n for n in _imports(path) if n.startswith("megatron_muon.testing")}, path
+
+
+def _module_graph() -> dict:
+    """{module: modules of the package it imports}, at any depth of the file (a deferred
+    import inside a function is still a dependency)."""
+    def module_of(path):
+        rel = path.relative_to(REPO).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        return ".".join(parts)
+
+    modules = {module_of(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            deps.update(t for t in targets if t in modules and t != name)
+        graph[name] = {d for d in deps if not (name.startswith(d + ".") and
+                                                 modules[d].name == "__init__.py")}
+    return graph
+
+
+def test_no_import_cycles_between_modules():
+    """Two modules that import each other (even inside a function) share something that
+    belongs in a leaf module of its own."""
+    graph = _module_graph()
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == "open":
+                cycles.append(stack[stack.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, stack + [dep])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, cycles

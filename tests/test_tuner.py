@@ -186,3 +186,111 @@ def test_rejects_a_candidate_less_accurate_than_the_reference():
     assert set(row["rejected"]) == {"noisy"}
     assert "less accurate than the reference" in row["rejected"]["noisy"]
     assert set(row["timings"]) == {"torch_gram", "torch_batched"}
+
+
+# -- DMuon's planner: one measuring rank, the run's NS problem, a cache shared by processes ----
+@pytest.mark.timeout(300)
+def test_ranks_with_different_local_timings_build_the_same_plan():
+    """``dmuon_plan_cost='tuner'``: each rank's kernels time differently (here: rank r sees
+    the costs in reversed order, scaled by 1000^r; on GPUs it is noise, clocks and
+    neighbours).  Rank 0 measures alone and every rank plans from its numbers: one plan, and
+    no other rank touches the kernels or the cache."""
+    from megatron_muon.testing.launch import run_ranks
+
+    res = run_ranks("megatron_muon.testing.workers:tuner_plans", 2,
+                    dict(opt=dict(muon_num_ns_steps=5)), timeout=120)
+    assert [r["error"] for r in res] == [None, None], [r["error"] for r in res]
+    assert res[0]["digest"] == res[1]["digest"] and res[0]["owners"] == res[1]["owners"]
+    assert sorted(set(res[0]["measured"])) == [(8, 8), (8, 16), (16, 16), (16, 32)]
+    assert res[1]["measured"] == []
+
+
+def _tiny_matrices():
+    from megatron_muon.core.units import whole_units
+    from megatron_muon.distributed.owner_centric import Piece, ShardedMatrix
+
+    return [ShardedMatrix("w0", (16, 32), tuple(whole_units((16, 32))), None, 1,
+                          (Piece(0, 0, 0, 16 * 32, 0),))]
+
+
+@pytest.mark.timeout(60)
+def test_planner_tuner_validates_and_times_the_runs_ns_problem(tmp_path):
+    """The planner's tuner validates and times the candidates with the run's step count and
+    coefficient set (here 3 steps of 'quintic'), not the tuner's defaults (5 of 'simple'):
+    the cache key it writes says which problem was measured."""
+    from megatron_muon.megatron.dmuon import build_engine
+    from megatron_muon.testing.workers import make_optimizer_config
+
+    path = tmp_path / "plan.json"
+    cfg = make_optimizer_config("dmuon", dmuon_plan_cost="tuner", dmuon_tuner_cache=str(path),
+                                dmuon_ns_backend="torch", muon_num_ns_steps=3,
+                                muon_coefficient_type="quintic", dmuon_log_plan=False)
+    build_engine(_tiny_matrices(), None, cfg)
+    (key, entry), = json.loads(path.read_text())["entries"].items()
+    assert key.startswith("16x32|b1|") and key.endswith("|cpu|k3|quintic"), key
+    assert (entry["steps"], entry["coefficients"]) == (3, "quintic")
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_cache_writers_keep_each_others_keys(tmp_path):
+    """Two processes tuning their first keys at once: both re-read the file before they
+    replace it, so without a lock the second replace drops the first one's key.  Here the
+    second writer starts (in a thread) right after the first has read the file and gets 0.5 s
+    to finish before the first replaces it; the lock makes it wait instead."""
+    import threading
+
+    path = tmp_path / "shared.json"
+    a = NSTuner(cache_path=path, candidates=["torch_batched"], warmup=0, iters=1)
+    b = NSTuner(cache_path=path, candidates=["torch_batched"], warmup=0, iters=1)
+    entry = {"choice": "torch_batched", "seconds": 1.0, "timings": {"torch_batched": 1.0}}
+    read = a._read_cache
+    other = threading.Thread(target=b._write_cache, args=("key-b", dict(entry)))
+
+    def read_then_let_the_other_write(warn=True):
+        data = read(warn)
+        if not other.is_alive() and other.ident is None:
+            other.start()
+            other.join(0.5)
+        return data
+
+    a._read_cache = read_then_let_the_other_write
+    a._write_cache("key-a", dict(entry))
+    other.join(10)
+    assert not other.is_alive()
+    assert sorted(json.loads(path.read_text())["entries"]) == ["key-a", "key-b"]
+    assert (tmp_path / "shared.json.lock").exists()  # the lock file lives next to the cache
+
+
+@pytest.mark.timeout(60)
+def test_cache_is_replaced_atomically(tmp_path, monkeypatch):
+    """The cache is written to a temporary file in its own folder and ``os.replace``d over
+    the old one; a write that fails half-way leaves the old file whole and no temp file."""
+    import os
+
+    path = tmp_path / "c.json"
+    tuner = NSTuner(cache_path=path, candidates=["torch_batched"], warmup=0, iters=1)
+    tuner.choose(8, 16, 1, torch.float32, "cpu")
+    before = path.read_text()
+    replaced = []
+    real_replace = os.replace
+
+    def recording_replace(src, dst):
+        replaced.append((os.path.dirname(os.path.abspath(src)), os.path.basename(src), dst))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", recording_replace)
+    tuner.choose(8, 24, 1, torch.float32, "cpu")
+    ((folder, name, dst),) = replaced
+    assert folder == str(tmp_path) and name.startswith(".ns_tuner.") and dst == str(path)
+    assert len(json.loads(path.read_text())["entries"]) == 2
+
+    def half_written(obj, f, **kwargs):
+        f.write('{"version": 1, "entr')
+        raise OSError("disk full")
+
+    before = path.read_text()
+    monkeypatch.setattr(json, "dump", half_written)
+    with pytest.raises(OSError, match="disk full"):
+        tuner.tune(4, 8, 1, torch.float32, "cpu")
+    assert path.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json", "c.json.lock"]

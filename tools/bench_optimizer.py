@@ -69,27 +69,6 @@ def _mcore_muon_config(base: dict, tp_mode: str):
                            clip_grad=base["clip_grad"])
 
 
-def _fp32_layer_wise_workaround(optim, config):
-    """megatron-core 0.19.2 wraps the layer-wise optimizer's torch optimizers only for bf16;
-    in fp32 they stay raw and ``step()`` fails. Wrap them in FP32Optimizer."""
-    from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
-
-    stack = [optim]
-    while stack:
-        o = stack.pop()
-        subs = getattr(o, "chained_optimizers", None)
-        if subs is None:
-            continue
-        if getattr(o, "config", None) is None:
-            o.config = config
-        for i, sub in enumerate(subs):
-            if isinstance(sub, torch.optim.Optimizer) and not isinstance(sub, MegatronOptimizer):
-                subs[i] = FP32Optimizer(sub, config, None)
-            else:
-                stack.append(sub)
-    return optim
-
-
 VARIANTS = ("adam", "muon_naive", "dmuon", "dmuon_noov", "dmuon_matrix", "dmuon_zero3",
             "mcore_muon_duplicated", "mcore_muon_blockwise")
 
@@ -104,23 +83,11 @@ def _build(name: str, gcfg, prec: str, ns_steps: int, clip_grad: float, zero3_bu
 
     torch.manual_seed(gcfg.seed)
     if name.startswith("mcore_muon"):
-        from megatron.core.optimizer import get_megatron_optimizer as mcore_get
+        from megatron_muon.testing.peers import build_mcore_muon
 
         ocfg = _mcore_muon_config(dict(ns_steps=ns_steps, prec=prec, clip_grad=clip_grad),
                                   "duplicated" if name.endswith("duplicated") else "blockwise")
-        import megatron.core.optimizer as mcore_optimizer
-
-        model = _layer_wise_ddp(gcfg)
-        # fp32 (see _fp32_layer_wise_workaround): fix the layer-wise optimizer up as soon as it
-        # is built, before megatron-core 0.19.2 chains it with the AdamW DistributedOptimizer
-        # (ChainedOptimizer asserts that both carry the same config).
-        layer_wise = mcore_optimizer.LayerWiseDistributedOptimizer
-        mcore_optimizer.LayerWiseDistributedOptimizer = \
-            lambda *a, **k: _fp32_layer_wise_workaround(layer_wise(*a, **k), ocfg)
-        try:
-            return model, _fp32_layer_wise_workaround(mcore_get(ocfg, model), ocfg)
-        finally:
-            mcore_optimizer.LayerWiseDistributedOptimizer = layer_wise
+        return build_mcore_muon(gcfg, ocfg)
     zero3 = name == "dmuon_zero3"
     matrix = zero3 or name == "dmuon_matrix"
     # 'dmuon' keeps the default overlap policy ('auto'); every other DMuon row has it off so
@@ -140,34 +107,6 @@ def _build(name: str, gcfg, prec: str, ns_steps: int, clip_grad: float, zero3_bu
     model = build_gpt(gcfg, ddp_config=DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True, **ddp), placement=placement)
     return model, get_megatron_optimizer(ocfg, model)
-
-
-def _layer_wise_ddp(gcfg) -> list:
-    """The GPT in Megatron DDP the way megatron-core 0.19 lays it out for its layer-wise
-    optimizer: ``use_distributed_optimizer=True`` with the shard-aligned layout of
-    ``LayerWiseDistributedOptimizer.compute_full_param_layout`` (every matrix whole in one
-    DP shard, even shards: the params are all-gathered from the buffers; the legacy
-    unpadded path needs an uneven all_gather, which gloo does not have)."""
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer.layer_wise_optimizer import (LayerWiseDistributedOptimizer,
-                                                              tag_params_for_buffer_routing)
-
-    from megatron_muon.testing.gpt import build_gpt, wire_ddp_hooks
-
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True,
-                                               grad_reduce_in_fp32=True)
-    chunks = build_gpt(gcfg, wrap_ddp=False)
-    tag_params_for_buffer_routing(chunks)  # Muon matrices vs AdamW buffers (Megatron's own)
-    wrapped = []
-    for chunk in chunks:
-        layout = LayerWiseDistributedOptimizer.compute_full_param_layout(
-            [p for p in chunk.parameters() if p.requires_grad], None,
-            parallel_state.get_data_parallel_world_size(with_context_parallel=True), ddp_config)
-        wrapped.append(DistributedDataParallel(config=chunk.config, ddp_config=ddp_config,
-                                               module=chunk, full_param_layout=layout))
-    wire_ddp_hooks(chunks[0].config, wrapped, ddp_config)
-    return wrapped
 
 
 def worker(cfg: dict, tp: int, optimizers: list, steps: int, warmup: int, prec: str,

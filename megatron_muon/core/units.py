@@ -25,7 +25,6 @@ __all__ = [
     "extract_unit",
     "insert_unit",
     "unit_flat_indices",
-    "unit_positions",
     "shard_units",
 ]
 
@@ -125,33 +124,6 @@ def insert_unit(param: torch.Tensor, unit: Unit, value: torch.Tensor) -> None:
     for s, l in unit.blocks:
         param.narrow(unit.dim, s, l).copy_(value.narrow(unit.dim, offset, l))
         offset += l
-
-
-def unit_positions(unit: Unit, full_flat: torch.Tensor) -> torch.Tensor:
-    """Position inside the (flattened) unit of each parameter flat index; -1 if outside.
-
-    Inverse of ``unit_flat_indices`` without materialising a table of the parameter's size.
-    """
-    m, n = unit.param_shape
-    r, c = full_flat // n, full_flat % n
-    along = r if unit.dim == 0 else c
-    starts = torch.tensor([s for s, _ in unit.blocks], dtype=torch.int64)
-    lengths = torch.tensor([l for _, l in unit.blocks], dtype=torch.int64)
-    order = torch.argsort(starts)
-    starts, lengths = starts[order], lengths[order]
-    before = torch.cumsum(torch.tensor([l for _, l in unit.blocks], dtype=torch.int64), 0)
-    unit_start = (before - torch.tensor([l for _, l in unit.blocks], dtype=torch.int64))[order]
-    b = torch.searchsorted(starts, along, right=True) - 1
-    valid = b >= 0
-    b = b.clamp(min=0)
-    offset = along - starts[b]
-    valid &= offset < lengths[b]
-    k = unit_start[b] + offset  # row (dim 0) or column (dim 1) inside the unit
-    if unit.dim == 0:
-        pos = k * n + c
-    else:
-        pos = r * int(lengths.sum()) + k
-    return torch.where(valid, pos, torch.full_like(pos, -1))
 
 
 def shard_units(units: Sequence[Unit], dim: int, shard_blocks: Sequence[Sequence[tuple[int, int]]]

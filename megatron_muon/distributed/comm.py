@@ -2,6 +2,7 @@
 
 Knows nothing of Megatron; the caller supplies flat buffers, split sizes and the group.
 ``CommStats`` counts what crossed the wire so tests can assert traffic bounds.
+``failed_ranks`` lets a check that can differ by rank end in the same error on every rank.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "all_to_all_flat"]
+__all__ = ["CommStats", "all_to_all_flat", "failed_ranks"]
 
 
 @dataclass
@@ -64,3 +65,24 @@ def all_to_all_flat(send: torch.Tensor, send_counts: Sequence[int], recv_counts:
                                   input_split_sizes=list(map(int, send_counts)), group=group,
                                   async_op=async_op)
     return recv, (work if async_op else None)
+
+
+def failed_ranks(failed: bool, group: Optional[dist.ProcessGroup],
+                 device: Optional[torch.device] = None) -> list[int]:
+    """The global ranks of ``group`` on which ``failed`` is true: the same list on every rank.
+
+    A rank-local check (a non-finite value, a validation whose input differs by rank) that
+    raises inside a sequence of collectives leaves its peers waiting in the next collective
+    until the backend's timeout (NCCL's: minutes, then an abort that names no cause).  Each
+    rank calls this with its own verdict instead - one all-reduce (MAX) of one flag per rank
+    over the group that takes part in the following collectives - and every rank raises if
+    the list is not empty, with a message that can name the ranks.  ``group=None``: this
+    process alone (no collective).
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        me = dist.get_rank() if dist.is_initialized() else 0
+        return [me] if failed else []
+    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=device)
+    flags[dist.get_rank(group)] = int(bool(failed))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return [dist.get_global_rank(group, i) for i in torch.nonzero(flags).flatten().tolist()]

@@ -11,14 +11,18 @@ rank at ``local_offset`` of that rank's flat buffer.  The executor
 ``replicate=True`` is the naive baseline: every rank receives every unit and
 orthogonalises all of them, then keeps its own pieces (no scatter).
 
-The exchange is described by blocks (``joint_blocks``): strided 2-D views of the flat
-buffers, a handful per piece, built once; a step is block copies / all_to_all / bmm, and a
-piece that already sits on its unit's owner is copied there directly.
+The exchange is described by blocks: strided 2-D views of the flat buffers, a handful per
+piece and unit, computed from the flat ranges by arithmetic (``core.flat_blocks.
+piece_unit_blocks``: no index of the matrix's size) once; a step is block copies /
+all_to_all / bmm, and a piece that already sits on its unit's owner is copied there
+directly.  ``megatron_muon.testing.exchange_oracle`` builds the same blocks element by
+element, as the exchange first did: the tests' oracle.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass
 from typing import Callable, Hashable, Optional, Sequence
 
@@ -29,9 +33,10 @@ from megatron_muon.distributed.comm import CommStats, all_to_all_flat
 from megatron_muon.core.newton_schulz import muon_scale, newton_schulz
 from megatron_muon.core.plan import OwnerPlan
 from megatron_muon.distributed.trace import span
-from megatron_muon.core.units import Unit, unit_positions
+from megatron_muon.core.flat_blocks import piece_unit_blocks
+from megatron_muon.core.units import Unit
 
-__all__ = ["Piece", "ShardedMatrix", "OwnerCentricNS", "joint_blocks", "NS_BATCH_SHARE"]
+__all__ = ["Piece", "ShardedMatrix", "OwnerCentricNS", "NS_BATCH_SHARE"]
 
 #: An owner's NS batch (same-shape units, run as one batched call) holds at most this share
 #: of the rank's owned elements (a unit larger than that is a batch of its own).  NS's
@@ -67,55 +72,12 @@ class ShardedMatrix:
     def unit_key(self, i: int) -> str:
         return f"{self.key}#{i}"
 
-    def full_flat_index(self, piece: Piece) -> torch.Tensor:
-        """Full-matrix flat index of every element of ``piece`` (in local order)."""
-        m, n = self.shape
-        local = torch.arange(piece.start, piece.end, dtype=torch.int64)
-        if self.tp_dim is None:
-            return local
-        ml, nl = (m // self.tp_size, n) if self.tp_dim == 0 else (m, n // self.tp_size)
-        r, c = local // nl, local % nl
-        if self.tp_dim == 0:
-            r = r + piece.tp_rank * ml
-        else:
-            c = c + piece.tp_rank * nl
-        return r * n + c
-
 
 # A block moves h x w elements between two flat buffers, row by row, as the strided views
 # (h, w) with row strides ``a_stride`` / ``b_stride`` at offsets ``a`` / ``b``: a tuple
 # (a, b, h, w, a_stride, b_stride).  Side a is the holder's flat buffer, side b the owner's
 # unit buffer.  Elements within a block are in canonical order (row by row).
 Block = tuple
-
-
-def joint_blocks(a_index: torch.Tensor, b_index: torch.Tensor) -> list:
-    """Compress an element map (element k: ``a_index[k]`` <-> ``b_index[k]``) into blocks.
-
-    Maximal runs in which both indices advance by one become rows; equal-length rows at
-    constant strides on both sides merge into one 2-D block.  A whole TP shard of a
-    row- or column-parallel matrix, or a QKV unit's blocks of rows, is one block, so the
-    bookkeeping is proportional to the number of pieces, not elements.
-    """
-    n = a_index.numel()
-    if n == 0:
-        return []
-    brk = ((a_index[1:] - a_index[:-1]) != 1) | ((b_index[1:] - b_index[:-1]) != 1)
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(brk).squeeze(1) + 1])
-    lengths = torch.diff(starts, append=torch.tensor([n])).tolist()
-    ra, rb = a_index[starts].tolist(), b_index[starts].tolist()
-    blocks, i, runs = [], 0, len(lengths)
-    while i < runs:
-        a, b, w, h = ra[i], rb[i], lengths[i], 1
-        sa = sb = w
-        if i + 1 < runs and lengths[i + 1] == w and ra[i + 1] - a >= w and rb[i + 1] - b >= w:
-            sa, sb, h = ra[i + 1] - a, rb[i + 1] - b, 2
-            while (i + h < runs and lengths[i + h] == w and ra[i + h] - ra[i + h - 1] == sa
-                   and rb[i + h] - rb[i + h - 1] == sb):
-                h += 1
-        blocks.append((a, b, h, w, sa, sb))
-        i += h
-    return blocks
 
 
 def _view(buf: torch.Tensor, offset: int, h: int, w: int, stride: int) -> torch.Tensor:
@@ -226,18 +188,16 @@ class OwnerCentricNS:
             for piece in mat.pieces:
                 if piece.rank != self.rank and not i_own_some:
                     continue
-                full = mat.full_flat_index(piece)
                 for i, unit in enumerate(mat.units):
                     owners = unit_owners[i]
                     if piece.rank != self.rank and self.rank not in owners:
                         continue
-                    pos = unit_positions(unit, full)
-                    sel = pos >= 0
-                    if not bool(sel.any()):
+                    blocks = piece_unit_blocks(mat.shape, mat.tp_dim, mat.tp_size, piece.tp_rank,
+                                               piece.start, piece.end, piece.local_offset, unit)
+                    if not blocks:
                         continue
                     base = self.unit_offset.get(mat.unit_key(i), 0)
-                    blocks = [(a, b + base, h, w, sa, sb) for a, b, h, w, sa, sb in joint_blocks(
-                        torch.nonzero(sel).squeeze(1) + piece.local_offset, pos[sel])]
+                    blocks = [(a, b + base, h, w, sa, sb) for a, b, h, w, sa, sb in blocks]
                     held = piece.rank == self.rank
                     for owner in owners:
                         mine_too = owner == self.rank
@@ -271,6 +231,83 @@ class OwnerCentricNS:
         written = (_numel(self.local_copy) if replicate else
                    sum(_numel(b) for t in self.scatter_tables.values() for b in t.recv + [t.local]))
         self.scatter_covers = written == self.local_numel
+        self._check_exchange()
+
+    # ------------------------------------------------------------------ validation
+    def _exchanges(self) -> list:
+        """``[(kind, bucket key, table)]``: every all-to-all of a step, in the order it runs."""
+        return ([("gather", k, t) for k, t in self.gather_tables.items()]
+                + [("scatter", k, t) for k, t in self.scatter_tables.items()])
+
+    def _check_exchange(self) -> None:
+        """Once, at construction: every rank of the group runs the same all-to-alls (same
+        buckets, in the same order) and what rank j will send this rank in each equals what
+        this rank expects to receive from j.  Each rank builds its tables from its own view
+        of the geometry; where views differ, NCCL's all-to-all hangs or silently corrupts
+        the update.  Counts only: a digest of the bucket keys (one all-gather of one
+        integer), each rank's send counts to each peer (one all-to-all of buckets x world
+        integers) and one agreement all-reduce; every rank raises the same error, naming
+        the bucket."""
+        if self.group is None or self.world == 1:
+            return
+        names = [f"{kind} of bucket {key!r}" for kind, key, _ in self._exchanges()]
+        self._check_buckets(names)
+        tables = [t for _, _, t in self._exchanges()]
+        send = torch.tensor([[t.send_counts[j] for t in tables] for j in range(self.world)],
+                            dtype=torch.int64, device=self.device).reshape(-1)
+        want = torch.tensor([[t.recv_counts[j] for t in tables] for j in range(self.world)],
+                            dtype=torch.int64).reshape(self.world, -1)
+        got = torch.empty_like(send)
+        if send.numel():
+            dist.all_to_all_single(got, send, group=self.group)
+        got = got.cpu().reshape(self.world, -1)  # got[j, b]: what j sends here in exchange b
+        # the first disagreement (exchange, receiver, sender), encoded so that MIN picks one
+        none = len(tables) * self.world * self.world
+        code = none
+        for j, b in torch.nonzero(got != want).tolist():
+            code = min(code, (b * self.world + self.rank) * self.world + j)
+        first = torch.tensor([code], dtype=torch.int64, device=self.device)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.group)
+        code = int(first.item())
+        if code == none:
+            return
+        b, rest = divmod(code, self.world * self.world)
+        receiver, sender = divmod(rest, self.world)
+        counts = torch.zeros(2, dtype=torch.int64, device=self.device)
+        if self.rank == receiver:
+            counts[0], counts[1] = int(got[sender, b]), int(want[sender, b])
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=self.group)
+        raise RuntimeError(
+            f"DMuon exchange: the {names[b]} disagrees across ranks: rank "
+            f"{dist.get_global_rank(self.group, sender)} sends {int(counts[0])} elements to "
+            f"rank {dist.get_global_rank(self.group, receiver)}, which expects "
+            f"{int(counts[1])}; the ranks of a pipeline stage must build the same model, DDP "
+            "buckets and dmuon_* settings")
+
+    def _check_buckets(self, names: list) -> None:
+        """Every rank of the group has the same exchanges (kind and bucket key, in order):
+        an all-gather of a 63-bit digest; on a mismatch, the names themselves (only then)."""
+        h = hashlib.blake2b(repr(names).encode(), digest_size=8).digest()
+        mine = torch.tensor([int.from_bytes(h, "little") >> 1], dtype=torch.int64,
+                            device=self.device)
+        digests = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(digests, mine, group=self.group)
+        if len({int(d.item()) for d in digests}) == 1:
+            return
+        every = [None] * self.world
+        dist.all_gather_object(every, names, group=self.group)
+        first = next(r for r in range(self.world) if every[r] != every[0])
+        a, b = every[0], every[first]
+        i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        def which(x: list) -> str:
+            return f"the {x[i]}" if i < len(x) else "missing"
+
+        raise RuntimeError(
+            f"DMuon exchange: ranks disagree on the all-to-alls of a step: all-to-all #{i} is "
+            f"{which(a)} on rank {dist.get_global_rank(self.group, 0)} but {which(b)} on rank "
+            f"{dist.get_global_rank(self.group, first)} ({len(a)} and {len(b)} all-to-alls); "
+            "the ranks of a pipeline stage must build the same model, DDP buckets and dmuon_* "
+            "settings")
 
     # ------------------------------------------------------------------ step
     def index_bytes(self) -> int:

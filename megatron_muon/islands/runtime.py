@@ -188,9 +188,6 @@ class IslandLayout:
         base = self.island * self.island_size
         return list(range(base, base + self.island_size))
 
-    def global_rank(self, island: int, local_rank: Optional[int] = None) -> int:
-        return island * self.island_size + (self.local_rank if local_rank is None else local_rank)
-
 
 _LAYOUT: Optional[IslandLayout] = None
 

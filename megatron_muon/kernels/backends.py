@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
 from megatron_muon.core.newton_schulz import (Coefficients, check_ns_method, newton_schulz,
                                              resolve_coefficients)
 
-if TYPE_CHECKING:  # pragma: no cover
-    from megatron_muon.kernels.tuner import NSTuner
+from megatron_muon.kernels.triton_config import TritonConfig
 
 __all__ = [
     "Backend",
@@ -52,45 +50,6 @@ Backend = Callable[[torch.Tensor, Sequence[tuple[float, float, float]], float, O
 
 #: Plain names; ``triton:...`` names with an explicit tile config are accepted too.
 BACKEND_NAMES = ("torch_batched", "torch_loop", "torch_gram", "triton")
-
-
-@dataclass(frozen=True)
-class TritonConfig:
-    """Tile sizes and launch options shared by both kernels.
-
-    ``block`` is the square tile of the symmetric kernel and the M/N tile of the update
-    kernel (square so that mirrored tiles line up); ``block_k`` the reduction tile.
-    """
-
-    block: int = 128
-    block_k: int = 64
-    num_warps: int = 8
-    num_stages: int = 3
-
-    @property
-    def name(self) -> str:
-        return f"triton:{self.block}x{self.block_k}:w{self.num_warps}:s{self.num_stages}"
-
-    @staticmethod
-    def parse(spec: str) -> "TritonConfig":
-        """Parse ``BLOCKxBLOCK_K:wWARPS:sSTAGES`` (the part after ``triton:``)."""
-        try:
-            tiles, w, s = spec.split(":")
-            block, block_k = (int(v) for v in tiles.split("x"))
-            if not (w.startswith("w") and s.startswith("s")):
-                raise ValueError
-            cfg = TritonConfig(block, block_k, int(w[1:]), int(s[1:]))
-            if cfg.num_warps < 1 or cfg.num_stages < 1:
-                raise ValueError
-        except ValueError:
-            raise ValueError(
-                f"bad triton config {spec!r}; expected e.g. 'triton:128x64:w8:s3' "
-                "(BLOCKxBLOCK_K:wNUM_WARPS:sNUM_STAGES)"
-            ) from None
-        for v in (cfg.block, cfg.block_k):
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"bad triton config {spec!r}: tile sizes must be powers of two >= 16")
-        return cfg
 
 
 def torch_batched(x: torch.Tensor, coeffs: Sequence[tuple[float, float, float]], eps: float,
@@ -234,7 +193,7 @@ def batched_newton_schulz(
     eps: float = 1e-7,
     dtype: Optional[torch.dtype] = None,
     backend: Union[str, Backend] = "auto",
-    tuner: Optional["NSTuner"] = None,
+    tuner=None,  # a kernels.tuner.NSTuner (not imported: the tuner imports this module)
     method: str = "standard",
     gram_restart: Optional[int] = None,
 ) -> torch.Tensor:

@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from megatron_muon.kernels.backends import TritonConfig
+from megatron_muon.kernels.triton_config import TritonConfig
 
 try:  # guarded: the package must import on machines without triton
     import triton

@@ -24,6 +24,7 @@ or stale buffer) is off by O(1) in this norm.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -152,7 +153,7 @@ class NSTuner:
     Args:
         cache_path: JSON file for choices and timings (default: ``$MEGATRON_MUON_TUNER_CACHE``;
             neither given: in memory only).  Written atomically after each new key and
-            merged with entries other processes may have written meanwhile.
+            merged, under a lock file next to it, with entries other processes wrote.
         candidates: backend names (``get_backend`` names) or a ``{name: callable}`` mapping
             (for custom or experimental backends); default ``default_candidates(device)``.
         warmup, iters: untimed and timed calls per candidate (the median is kept).
@@ -210,9 +211,9 @@ class NSTuner:
              device: Union[torch.device, str]) -> float:
         """Measured seconds of NS on ``batch`` m x n matrices with the chosen backend.
 
-        The owner planner's cost model: tuned once per key, then a dict lookup.  Note
-        that measurements differ between ranks; a planner that must be identical on
-        every rank should compute it on one rank (or from a shared cache) and broadcast.
+        The owner planner's cost model: tuned once per key, then a dict lookup.
+        Measurements differ between ranks, so DMuon's planner times on one rank of each
+        group and shares the numbers (``megatron.dmuon._shared_tuner_costs``).
         """
         return float(self._entry(m, n, batch, dtype, device)["seconds"])
 
@@ -340,20 +341,43 @@ class NSTuner:
             return {}
 
     def _write_cache(self, key: str, entry: dict[str, Any]) -> None:
-        """Merge this entry into the file (re-reading it first, so concurrent tuners lose
-        nothing but a same-key race) and replace it atomically."""
+        """Merge this entry into the file and replace it atomically: written to a temporary
+        file in the same folder, then ``os.replace``d, so that a reader (or a crash) never
+        sees half a file.  Re-reading and replacing happen under an exclusive lock
+        (``_cache_lock``): two processes tuning their first keys at once would otherwise both
+        read the old file and the second replace would drop the first one's entry."""
         if not self.cache_path:
             return
-        merged = self._read_cache(warn=False)  # already warned about at construction
-        merged[key] = entry
         directory = os.path.dirname(os.path.abspath(self.cache_path))
         os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".ns_tuner.", suffix=".json", dir=directory)
+        with _cache_lock(self.cache_path):
+            merged = self._read_cache(warn=False)  # already warned about at construction
+            merged[key] = entry
+            fd, tmp = tempfile.mkstemp(prefix=".ns_tuner.", suffix=".json", dir=directory)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    json.dump({"version": _FORMAT_VERSION, "entries": merged}, f, indent=1,
+                              sort_keys=True)
+                os.replace(tmp, self.cache_path)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise
+
+
+@contextlib.contextmanager
+def _cache_lock(cache_path: str):
+    """An exclusive advisory lock on ``<cache_path>.lock`` (POSIX ``flock``, which also
+    separates threads that open the file separately; where there is no ``fcntl`` no lock:
+    concurrent writers may then lose each other's new keys, never the file)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(cache_path + ".lock", "a") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({"version": _FORMAT_VERSION, "entries": merged}, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.cache_path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)

@@ -33,7 +33,13 @@ there), ``--muon-no-split-qkv``, ``--muon-scalar-optimizer`` and ``--lion-beta1/
 (the optimizer of the non-matrix parameters), ``--muon-tp-mode`` (default ``blockwise``
 there: for dmuon it counts only when given on the command line, ``duplicated`` /
 ``distributed`` -> ``--dmuon-tp-mode exact``, ``blockwise`` -> ``blockwise``).  New here:
-every ``--dmuon-*`` flag.  The whole table: docs/megatron_flags.md.
+every ``--dmuon-*`` flag, and ``--adaptive-muon-moment2-method`` / ``-beta2`` / ``-eps``
+(Megatron-Core 0.19's config fields; Megatron-LM versions that define the flags are reused,
+and their ``--adaptive-muon-moment2-method`` default counts only when given, as
+``--muon-tp-mode``'s: ``GIVEN_ONLY``).  The Megatron features dmuon does not run with
+(``--use-precision-aware-optimizer``, ``--use-torch-fsdp2``, ``--context-parallel-size`` > 1,
+...) are refused by ``validate_dmuon_args`` (``config.check_muon_setup``).  The whole
+table, every Megatron-LM optimizer flag: docs/megatron_flags.md.
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ __all__ = [
     "MUON_ARGUMENTS",
     "DMUON_ARGUMENTS",
     "megatron_tp_mode",
+    "megatron_given",
+    "GIVEN_ONLY",
+    "reshardable_checkpoints",
 ]
 
 _MUON_OPTIMIZERS = MUON_OPTIMIZERS
@@ -67,26 +76,42 @@ class DMuonArgumentError(ValueError):
     """A bad ``--muon-*`` / ``--dmuon-*`` value; the message names the flag."""
 
 
-#: Set on the namespace by Megatron-LM's own ``--muon-tp-mode`` once ``add_dmuon_args`` has
-#: marked it: its default there is 'blockwise', which for dmuon must not override the exact
-#: ``--dmuon-tp-mode`` default unless the user asked for it.
-TP_MODE_GIVEN = "dmuon_muon_tp_mode_given"
+#: Megatron-LM flags that dmuon maps onto its own settings and whose Megatron-LM parser
+#: defaults must not count: ``--muon-tp-mode`` ('blockwise' there; dmuon's default is exact)
+#: and ``--adaptive-muon-moment2-method`` ('adamuon' in Megatron-LM versions that have the
+#: flag; dmuon's default is plain Muon).  Each counts only when given on the command line.
+GIVEN_ONLY = ("muon_tp_mode", "adaptive_muon_moment2_method")
+
+
+def given_marker(dest: str) -> str:
+    """The namespace attribute that records that Megatron-LM's flag for ``dest`` was given
+    (False by default once ``add_dmuon_args`` has marked the flag)."""
+    return f"dmuon_{dest}_given"
+
+
+TP_MODE_GIVEN = given_marker("muon_tp_mode")
 
 
 class _StoreMarkingGiven(argparse._StoreAction):
-    """Megatron-LM's ``--muon-tp-mode`` (a plain store), also recording that it was given."""
+    """Megatron-LM's flag for a ``GIVEN_ONLY`` setting (a plain store), also recording that
+    it was given."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         super().__call__(parser, namespace, values, option_string)
-        setattr(namespace, TP_MODE_GIVEN, True)
+        setattr(namespace, given_marker(self.dest), True)
+
+
+def megatron_given(args: Any, name: str) -> Optional[Any]:
+    """``args.<name>`` for a ``GIVEN_ONLY`` setting if the user gave it (or a hand-made
+    namespace sets it), else None (Megatron-LM's parser default, which dmuon ignores)."""
+    if getattr(args, given_marker(name), True) is False:
+        return None
+    return getattr(args, name, None)
 
 
 def megatron_tp_mode(args: Any) -> Optional[str]:
-    """``args.muon_tp_mode`` if the user gave it (or a hand-made namespace sets it), else
-    None (Megatron-LM's parser default, which dmuon ignores)."""
-    if getattr(args, TP_MODE_GIVEN, True) is False:
-        return None
-    return getattr(args, "muon_tp_mode", None)
+    """``megatron_given(args, 'muon_tp_mode')``."""
+    return megatron_given(args, "muon_tp_mode")
 
 
 class _Switch(argparse.Action):
@@ -174,9 +199,9 @@ def add_dmuon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if action is not None:
             if dest == "muon_fp32_matmul_prec":
                 _extend_choices(action, ["highest"])  # Megatron-LM: low/medium/high
-            if dest == "muon_tp_mode" and type(action) is argparse._StoreAction:
+            if dest in GIVEN_ONLY and type(action) is argparse._StoreAction:
                 action.__class__ = _StoreMarkingGiven  # its default is not a choice for dmuon
-                parser.set_defaults(**{TP_MODE_GIVEN: False})
+                parser.set_defaults(**{given_marker(dest): False})
             skipped.add(dest)
             continue
         if group is None:
@@ -194,8 +219,10 @@ def validate_dmuon_args(args: Any, parser: Optional[argparse.ArgumentParser] = N
 
     The checks are ``DMuonOptimizerConfig``'s (``config.check_dmuon_settings``), plus what
     only the command line knows (Megatron-LM's ``--overlap-grad-reduce``,
-    ``--context-parallel-size``, ...).  Raises ``DMuonArgumentError`` (or calls
-    ``parser.error``: usage + ``error: msg``, exit code 2) with a message naming the flag.
+    ``--context-parallel-size``, ``--use-torch-fsdp2``, ``--expert-tensor-parallel-size``
+    with ``--num-experts``, ...: ``config.check_muon_setup``).  Raises ``DMuonArgumentError``
+    (or calls ``parser.error``: usage + ``error: msg``, exit code 2) with a message naming
+    the flag.
     Returns ``args`` unchanged otherwise.
     """
     if getattr(args, "optimizer", None) not in _MUON_OPTIMIZERS:
@@ -203,8 +230,8 @@ def validate_dmuon_args(args: Any, parser: Optional[argparse.ArgumentParser] = N
     defaults = config_defaults()  # a hand-made namespace may lack some flags
 
     def get(name):
-        if name == "muon_tp_mode":
-            return megatron_tp_mode(args)
+        if name in GIVEN_ONLY:
+            return megatron_given(args, name)
         return getattr(args, name, defaults.get(name))
 
     try:
@@ -213,6 +240,25 @@ def validate_dmuon_args(args: Any, parser: Optional[argparse.ArgumentParser] = N
         if parser is not None:
             parser.error(str(err))
         raise
+    reshardable_checkpoints(args)
+    return args
+
+
+def reshardable_checkpoints(args: Any) -> Any:
+    """Megatron-LM's torch_dist checkpoints of a dmuon run reshard to any TP / PP / DP.
+
+    DMuon's own state is always saved in model space; the AdamW (or Lion) subset is
+    Megatron's ``DistributedOptimizer``, whose default ``dp_reshardable`` format (flat
+    buckets) makes Megatron-LM refuse a TP or PP change on load.  Under dmuon that subset is
+    the embeddings, the output layer, norms and biases, so its fully reshardable format
+    (``--dist-ckpt-optim-fully-reshardable``) is the default.  Megatron-LM's local
+    non-persistent checkpoints do not support that format: with
+    ``--non-persistent-ckpt-type local`` the flag is left as given.
+    """
+    if getattr(args, "non_persistent_ckpt_type", None) == "local":
+        return args
+    if hasattr(args, "dist_ckpt_optim_fully_reshardable"):
+        args.dist_ckpt_optim_fully_reshardable = True
     return args
 
 
@@ -237,8 +283,14 @@ def dmuon_config_from_args(args: Any, base_config: Any = None):
     for name in from_args:
         if hasattr(args, name):
             kwargs[name] = getattr(args, name)
-    if "muon_tp_mode" in kwargs:
-        kwargs["muon_tp_mode"] = megatron_tp_mode(args)
+    for name in GIVEN_ONLY:  # Megatron-LM's defaults of these do not count (see GIVEN_ONLY)
+        value = megatron_given(args, name)
+        if value is not None:
+            kwargs[name] = value
+        elif name != "adaptive_muon_moment2_method" or \
+                getattr(base_config, "optimizer", None) != "adaptive_muon":
+            # Megatron's config default ('adamuon') means nothing outside adaptive_muon
+            kwargs.pop(name, None)
     kwargs["optimizer"] = getattr(args, "optimizer", kwargs.get("optimizer", "dmuon"))
     if "muon_use_nesterov" in init_fields and "muon_nesterov" in kwargs:
         kwargs["muon_use_nesterov"] = kwargs["muon_nesterov"]  # megatron-core 0.16 spelling

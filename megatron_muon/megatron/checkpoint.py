@@ -1,10 +1,12 @@
 """Save and resume model + optimizer (+ LR scheduler) with ``megatron.core.dist_checkpointing``.
 
 Optimizer state is stored in model space, so a checkpoint written on one DP / TP / PP layout
-loads on another (dist_checkpointing reshards it): DMuon and its AdamW subset write each
-managed parameter's main param and state as whole TP-local ShardedTensors (summed over the
-DP group at save); Megatron's own optimizers (``adam``) use its ``fully_reshardable`` format
-(``SHARDING_TYPE``).  A resumed run saves again; a changed LR schedule follows Megatron-LM's
+loads on another (dist_checkpointing reshards it): DMuon (and its Lion subset) write, on
+every rank, only the rank's own range of each managed parameter's main param and state, as
+rectangular blocks of the TP-local tensor at their offsets (``state_dict.py``,
+``flat_range_blocks``: nothing is gathered or summed over DP); Megatron's own
+DistributedOptimizers (``adam`` and the AdamW subset) use the format ``optim_sharding_type``
+names (``SHARDING_TYPE`` by default).  A resumed run saves again; a changed LR schedule follows Megatron-LM's
 rule (``--use-checkpoint-opt-param-scheduler`` / ``--override-opt-param-scheduler``); a
 damaged checkpoint is one ``CheckpointLoadError`` line, raised before anything loads.
 """

@@ -65,7 +65,9 @@ def ns_function(cfg) -> Callable:
             gram = method == "gram"
             candidates = [n for n in default_candidates(device())
                           if n.startswith("torch_gram") == gram]
-        tuner = NSTuner(cache_path=cfg.dmuon_tuner_cache, candidates=candidates)
+        # validated and timed on the run's NS problem, as the planner's tuner (dmuon.plan_tuner)
+        tuner = NSTuner(cache_path=cfg.dmuon_tuner_cache, candidates=candidates,
+                        steps=cfg.muon_num_ns_steps, coefficients=cfg.muon_coefficient_type)
 
     def fn(x, steps, coefficients, eps, dtype):
         with _tf32_matmuls(x.device) if tf32 else contextlib.nullcontext():
@@ -78,18 +80,33 @@ def ns_function(cfg) -> Callable:
     return fn
 
 
+def _tf32_matmuls_on(device_type: str, flags=None) -> Callable[[], None]:
+    """Turn TF32 on for fp32 matmuls of ``device_type`` ('cuda'; nothing elsewhere) and
+    return the function that restores the previous setting exactly.
+
+    ``flags``: the matmul backend flags (``torch.backends.cuda.matmul``).  torch >= 2.9 has
+    ``fp32_precision`` ('ieee', 'tf32' or 'none': inherit) and raises when it and the legacy
+    ``allow_tf32`` are mixed, so where it exists only it is read and written; restoring it
+    leaves a user's own setting as it was.  Older torch: ``allow_tf32``.
+    """
+    if device_type != "cuda":
+        return lambda: None
+    flags = torch.backends.cuda.matmul if flags is None else flags
+    name, value = ("fp32_precision", "tf32") if hasattr(flags, "fp32_precision") \
+        else ("allow_tf32", True)
+    saved = getattr(flags, name)
+    setattr(flags, name, value)
+    return lambda: setattr(flags, name, saved)
+
+
 @contextmanager
 def _tf32_matmuls(device):
     """fp32 matmuls on TF32 tensor cores inside the block (CUDA; nothing elsewhere)."""
-    if torch.device(device).type != "cuda":
-        yield
-        return
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
+    restore = _tf32_matmuls_on(torch.device(device).type)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
+        restore()
 
 
 def get_param_groups(model_chunks, config, config_overrides=None):
@@ -197,26 +214,43 @@ def build_distributed_optimizer(config, model_chunks, param_groups, cls, groups,
 
 def check_supported(config, model_chunks, groups) -> None:
     """Clear errors for layouts DMuon does not handle (instead of a hang or a wrong result);
-    ``groups``: the factory's ``DMuonGroups``."""
+    ``groups``: the factory's ``DMuonGroups``.  The config's own settings are checked again
+    (``config.check_muon_setup``: a field set after construction, e.g.
+    ``use_precision_aware_optimizer``), then what only the model and the groups show."""
+    from megatron_muon.megatron.config import check_muon_setup
+
     if not getattr(config, "use_distributed_optimizer", False):
         raise ValueError(f"optimizer={config.optimizer!r} needs use_distributed_optimizer=True")
+    check_muon_setup(lambda name: getattr(config, name, None), cli=False)
+    try:
+        from torch.distributed.fsdp import FSDPModule  # torch's fully_shard (FSDP2)
+    except ImportError:
+        FSDPModule = ()
     for chunk in model_chunks:
         ddp = getattr(chunk, "ddp_config", None)
+        # FSDP first: Megatron's FSDP wrappers carry a ddp_config too, without the optimizer
+        if getattr(ddp, "use_megatron_fsdp", False) or getattr(ddp, "use_custom_fsdp", False):
+            raise ValueError(f"optimizer={config.optimizer!r} does not run on Megatron-FSDP yet; "
+                             "use the distributed optimizer (ZeRO-1) with Megatron DDP")
+        if isinstance(chunk, FSDPModule) or type(chunk).__name__ in (
+                "TorchFullyShardedDataParallel", "FullyShardedDataParallel", "FSDPModule"):
+            raise ValueError(f"optimizer={config.optimizer!r} does not support torch FSDP2; "
+                             "wrap the model in Megatron DDP with use_distributed_optimizer=True")
         if ddp is None:
             raise ValueError(f"optimizer={config.optimizer!r} needs model chunks wrapped in "
                              "megatron.core.distributed.DistributedDataParallel")
         if not ddp.use_distributed_optimizer:
             raise ValueError("DistributedDataParallelConfig.use_distributed_optimizer must be True "
                              f"for optimizer={config.optimizer!r}")
-        if getattr(ddp, "use_megatron_fsdp", False) or getattr(ddp, "use_custom_fsdp", False):
-            raise ValueError(f"optimizer={config.optimizer!r} does not run on Megatron-FSDP yet; "
-                             "use the distributed optimizer (ZeRO-1) with Megatron DDP")
-        if type(chunk).__name__ in ("FullyShardedDataParallel", "FSDPModule"):
-            raise ValueError(f"optimizer={config.optimizer!r} does not support torch FSDP2; "
-                             "wrap the model in Megatron DDP with use_distributed_optimizer=True")
     if groups.cp_size > 1:
-        raise ValueError(f"optimizer={config.optimizer!r} does not support context parallelism yet")
-
+        raise ValueError(f"optimizer={config.optimizer!r} does not support context parallelism "
+                         f"yet (context parallel size {groups.cp_size}); use 1")
+    experts = any(getattr(c, "expert_parallel_buffers", None) for c in model_chunks)
+    if experts and groups.expt_tp_size > 1:
+        raise ValueError(f"optimizer={config.optimizer!r} supports MoE experts with expert tensor "
+                         f"parallel size 1 only (got {groups.expt_tp_size}); set "
+                         "expert_tensor_parallel_size=1 (Megatron-LM: "
+                         "--expert-tensor-parallel-size 1)")
 
 
 def _torch_adam_distributed(sub) -> bool:

@@ -6,8 +6,12 @@ text and its command-line flag (``field(metadata=...)``, see ``setting``);
 ``megatron_muon.megatron.arguments`` generates the ``--muon-*`` / ``--dmuon-*`` flags from
 them.  ``check_dmuon_settings`` is the one validator: ``__post_init__`` calls it with the
 field names, ``arguments.validate_dmuon_args`` (the examples, the patched Megatron-LM)
-with the flag names, so both reject the same values with the same reasons.  Incompatible
-settings raise; nothing is silently changed.
+with the flag names, so both reject the same values with the same reasons.  Its last part,
+``check_muon_setup``, refuses the Megatron features a Muon optimizer does not run with
+(precision-aware optimizer, FSDP, CPU offload, context parallelism, ...); the factory runs
+it again on the config it gets.  Incompatible settings raise; nothing is silently changed.
+Megatron fields that map onto DMuon's (``muon_tp_mode``, ``adaptive_muon_moment2_method``)
+default to None here, "not given".
 
 Muon fields carry Megatron-Core 0.19's names (``muon_momentum``, ``muon_nesterov``, ...).
 On 0.16.1, whose config calls Nesterov ``muon_use_nesterov``, both names are accepted.
@@ -34,7 +38,8 @@ from megatron_muon.core.newton_schulz import COEFFICIENT_SETS, SCALE_MODES, reso
 
 __all__ = ["DMuonOptimizerConfig", "MUON_OPTIMIZERS", "NS_PRECISIONS", "PLACEMENTS", "TP_MODES",
            "OVERLAP_MODES", "setting", "cli_fields", "flag_of", "choices_of", "resolve_overlap",
-           "check_dmuon_settings", "SCALAR_OPTIMIZERS", "MEGATRON_TP_MODES", "resolve_tp_mode"]
+           "check_dmuon_settings", "check_muon_setup", "SCALAR_OPTIMIZERS", "MEGATRON_TP_MODES",
+           "resolve_tp_mode", "resolve_moment2"]
 
 MuonOptimizer = Literal["dmuon", "muon_naive"]
 # The names come from newton_schulz (the maths owns the tables); Literal takes a tuple.
@@ -163,6 +168,12 @@ class DMuonOptimizerConfig(OptimizerConfig):
         "adamuon (element-wise, like Adam) or normuon (one value per row, or per column of a "
         "wide unit, then the unit's Frobenius norm restored); unset: plain Muon. The state "
         "lives with the unit's owner; turns the DMuon overlap off.")
+    # Megatron-Core 0.19's field (default 'adamuon' there, read only by its adaptive_muon
+    # optimizer); here None means "not given": dmuon_moment2 decides.
+    adaptive_muon_moment2_method: Optional[Moment2Method] = setting(
+        None, "Megatron-Core's second-moment method of --optimizer adaptive_muon (adamuon or "
+        "normuon), mapped onto --dmuon-moment2; a different --dmuon-moment2 with it is an "
+        "error. Not given: --dmuon-moment2 decides.")
     # Megatron-Core 0.19's names and defaults (0.16.1 lacks them; declared here for both)
     adaptive_muon_beta2: float = setting(
         0.95, "With --dmuon-moment2: decay rate of the second moment, in [0, 1).")
@@ -214,9 +225,12 @@ class DMuonOptimizerConfig(OptimizerConfig):
             self.muon_nesterov = True  # 0.16.1 spelling
         if isinstance(self.dmuon_overlap, bool):  # the former bool field: True/False = on/off
             self.dmuon_overlap = "on" if self.dmuon_overlap else "off"
-        super().__post_init__()
+        # before Megatron's checks: its AssertionErrors (e.g. "--use-precision-aware-optimizer
+        # only supported with adam") would hide the reason and the fix
         check_dmuon_settings(lambda name: getattr(self, name, None), cli=False)
+        super().__post_init__()
         self.dmuon_tp_mode = resolve_tp_mode(self.muon_tp_mode, self.dmuon_tp_mode)
+        self.dmuon_moment2 = resolve_moment2(self.adaptive_muon_moment2_method, self.dmuon_moment2)
 
     def overlap_policy(self, pp_size: int) -> str:
         """``dmuon_overlap`` resolved for a stage of a ``pp_size``-stage pipeline: what the
@@ -378,7 +392,10 @@ def check_dmuon_settings(get: Callable[[str], Any], *, cli: bool,
              f"no Triton Gram kernel; use {s.set('dmuon_ns_backend', 'auto')} or "
              f"{s.set('muon_ns_method', 'standard')}")
 
-    moment2 = get("dmuon_moment2")
+    try:
+        moment2 = resolve_moment2(get("adaptive_muon_moment2_method"), get("dmuon_moment2"), s)
+    except ValueError as err:
+        fail(str(err))
     if moment2 is not None:
         beta2, eps = get("adaptive_muon_beta2"), get("adaptive_muon_eps")
         if isinstance(beta2, bool) or not isinstance(beta2, (int, float)) or \
@@ -437,18 +454,95 @@ def check_dmuon_settings(get: Callable[[str], Any], *, cli: bool,
     except ValueError as err:
         fail(str(err))
 
-    # --- what a Muon optimizer needs from the rest of the setup ---
+    check_muon_setup(get, cli=cli, error=error)
+
+
+#: Megatron switches a Muon optimizer does not run with: (setting, why), for
+#: ``check_muon_setup``.
+_UNSUPPORTED_SWITCHES = (
+    ("use_megatron_fsdp", "it runs on Megatron DDP with the distributed optimizer (ZeRO-1), "
+                          "not on Megatron-FSDP"),
+    ("use_custom_fsdp", "it runs on Megatron DDP with the distributed optimizer (ZeRO-1), "
+                        "not on Megatron-FSDP"),
+    ("use_torch_fsdp2", "it runs on Megatron DDP with the distributed optimizer (ZeRO-1), "
+                        "not on torch FSDP2"),
+    ("use_precision_aware_optimizer", "with it Megatron puts the gradients in "
+                                      "param.decoupled_grad, which DMuon does not read (its "
+                                      "Muon matrices would only decay)"),
+    ("optimizer_cpu_offload", "DMuon's step and its exchange run on the device that holds "
+                              "the gradient buffers"),
+    ("overlap_param_gather_with_optimizer_step",
+     "Megatron's ChainedOptimizer starts the param all-gather right after its first "
+     "sub-optimizer, and dmuon chains a DMuon and an AdamW over the same buffers"),
+    ("optimizer_cuda_graph", "a captured optimizer.step() would replay the host-side "
+                             "decisions of one step (learning rate, overlap) in every step"),
+)
+#: Megatron's precision-aware-optimizer dtypes: fp32 is the only value without it.
+_PRECISION_AWARE_DTYPES = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype",
+                           "exp_avg_sq_dtype")
+
+
+def _dtype_name(value: Any) -> str:
+    """``torch.bfloat16`` -> ``'bf16'`` (Megatron-LM maps its dtype flags to torch dtypes)."""
+    import torch
+
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+             torch.uint8: "fp8"}
+    return names.get(value, str(value)) if isinstance(value, torch.dtype) else str(value)
+
+
+def check_muon_setup(get: Callable[[str], Any], *, cli: bool, error: type = ValueError) -> None:
+    """What a Muon optimizer (dmuon / muon_naive) needs from the rest of the setup.
+
+    The Megatron features it does not run with are refused here, one line each naming the
+    setting and the fix, instead of a hang or a silently wrong update.  ``get``, ``cli`` and
+    ``error`` as in ``check_dmuon_settings``, which calls it; ``compat.check_supported``
+    calls it again on the config the factory gets (a field set after construction).
+    Settings ``get`` has no value for (None) are not checked: the config has no
+    ``context_parallel_size``, a plain parser no ``--use-torch-fsdp2``.
+    """
+    s = _Spelling(cli)
+    N = s.name
+    optimizer = get("optimizer")
     if optimizer not in MUON_OPTIMIZERS:
         return
+    opt = s.set("optimizer", optimizer)
+
+    def fail(msg: str):
+        raise error(msg)
+
+    def drop(key: str) -> str:
+        return f"drop {N(key)}" if cli else f"turn it off ({key}=False)"
+
     if get("use_distributed_optimizer") is False:
-        fail(f"{s.set('optimizer', optimizer)} needs {s.set('use_distributed_optimizer', True)} "
+        fail(f"{opt} needs {s.set('use_distributed_optimizer', True)} "
              "(it replaces the distributed optimizer's inner step)")
-    if get("use_torch_fsdp2") or get("use_megatron_fsdp") or get("use_custom_fsdp"):
-        fail(f"{s.set('optimizer', optimizer)} runs on Megatron DDP with the distributed "
-             f"optimizer; it does not support {N('use_torch_fsdp2')} / {N('use_megatron_fsdp')}")
-    if (get("context_parallel_size") or 1) > 1:
-        fail(f"{s.set('optimizer', optimizer)} does not support "
-             f"{N('context_parallel_size')} > 1 yet")
+    for key, why in _UNSUPPORTED_SWITCHES:
+        if get(key):
+            fail(f"{opt} does not support {s.set(key, True)}: {why}; {drop(key)}")
+    for key in _PRECISION_AWARE_DTYPES:
+        value = get(key)
+        if value is not None and _dtype_name(value) != "fp32":
+            shown = s.set(key, _dtype_name(value)) if cli else s.set(key, value)
+            fail(f"{opt} keeps main grads, main params and Adam moments in fp32: {shown} needs "
+                 f"{s.set('use_precision_aware_optimizer', True)}, which {optimizer} does not "
+                 f"support; {'drop ' + N(key) if cli else 'leave ' + key + ' at fp32'}")
+    cp = get("context_parallel_size") or 1
+    if cp > 1:
+        fail(f"{opt} does not support {N('context_parallel_size')} > 1 yet (got {cp}); "
+             f"use {s.set('context_parallel_size', 1)}")
+    etp = get("expert_tensor_parallel_size") or 1
+    if (get("num_experts") or 0) > 0 and etp > 1:
+        fail(f"{opt} supports MoE experts with {N('expert_tensor_parallel_size')} 1 only (got "
+             f"{etp}; Megatron-LM defaults it to the tensor-parallel size); add "
+             f"{s.set('expert_tensor_parallel_size', 1)}")
+    instances = get("num_distributed_optimizer_instances") or 1
+    if instances > 1:
+        fail(f"{opt} does not support {N('num_distributed_optimizer_instances')} > 1 (got "
+             f"{instances}); use {s.set('num_distributed_optimizer_instances', 1)}")
+    if get("dump_param_to_param_group_map"):
+        fail(f"{opt} does not support {N('dump_param_to_param_group_map')} (its parameter "
+             f"groups are split between DMuon and AdamW); drop it")
 
 
 def resolve_tp_mode(muon_tp_mode: Optional[str], dmuon_tp_mode: str,
@@ -467,6 +561,19 @@ def resolve_tp_mode(muon_tp_mode: Optional[str], dmuon_tp_mode: str,
         raise ValueError(f"{s.both(('muon_tp_mode', muon_tp_mode), ('dmuon_tp_mode', 'blockwise'))}"
                          f" contradict each other: {muon_tp_mode} is DMuon's exact mode; drop one")
     return mapped
+
+
+def resolve_moment2(megatron_method: Optional[str], dmuon_moment2: Optional[str],
+                    spelling: Optional[_Spelling] = None) -> Optional[str]:
+    """DMuon's second moment given Megatron's ``adaptive_muon_moment2_method`` (None: not
+    given) and ``dmuon_moment2`` (None: plain Muon); different values are an error."""
+    if megatron_method is None or dmuon_moment2 in (None, megatron_method):
+        return megatron_method if megatron_method is not None else dmuon_moment2
+    s = spelling or _Spelling(False)
+    both = s.both(("adaptive_muon_moment2_method", megatron_method),
+                  ("dmuon_moment2", dmuon_moment2))
+    raise ValueError(f"{both} contradict each other ({s.name('adaptive_muon_moment2_method')} "
+                     f"maps onto {s.name('dmuon_moment2')}); drop one")
 
 
 def config_defaults() -> dict:

@@ -23,7 +23,7 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["enable_cpu_mode", "cpu_mode_active", "default_backend", "default_device",
+__all__ = ["enable_cpu_mode", "cpu_mode_active", "default_backend",
            "cpu_transformer_config"]
 
 _ACTIVE = False
@@ -38,10 +38,6 @@ def cpu_mode_active() -> bool:
 def default_backend() -> str:
     """NCCL on GPUs, gloo on CPU."""
     return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else _CPU
 
 
 def cpu_transformer_config() -> dict:
@@ -142,6 +138,26 @@ def _patch_megatron_without_te() -> None:
         set_megatron_attr(moe_utils, "te_general_gemm", None)
 
 
+def _set_cuda_rng_state(new_state, device=-1, graph_safe=False):
+    """CPU stand-in for Megatron's ``tensor_parallel.random._set_cuda_rng_state``: the
+    "CUDA" generator is the CPU one here (``torch.cuda.get_rng_state`` above returns its
+    state).  Megatron's own goes through ``torch.cuda._lazy_call``, which without CUDA queues
+    the call and a formatted stack for an initialisation that never comes: one entry per
+    recomputed layer and microbatch, and an RNG tracker fork that does not fork."""
+    torch.set_rng_state(new_state)
+
+
+def _patch_megatron_rng() -> None:
+    """Activation recompute (``tensor_parallel.checkpoint``) saves and restores the CUDA RNG
+    through ``torch.cuda.random.get_rng_state`` and Megatron's ``_set_cuda_rng_state``."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from megatron_muon.megatron.compat import set_megatron_attr
+
+    torch.cuda.random.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    set_megatron_attr(mrandom, "_set_cuda_rng_state", _set_cuda_rng_state)
+
+
 def enable_cpu_mode() -> bool:
     """Patch torch.cuda entry points for CPU-only Megatron-Core; no-op when CUDA exists."""
     global _ACTIVE
@@ -173,6 +189,7 @@ def enable_cpu_mode() -> bool:
         cuda.nvtx.range_pop = lambda *a, **k: None
         _CudaToCpu().__enter__()  # stays on the mode stack for the life of the process
         _patch_megatron_without_te()
+        _patch_megatron_rng()
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         _ACTIVE = True
     return True

@@ -22,7 +22,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["CPU_DEFAULTS", "with_cpu_defaults", "install_shims", "main"]
+__all__ = ["CPU_DEFAULTS", "with_cpu_defaults", "install_shims", "build_dataset_helpers", "main"]
 
 # (flag, value or None, flags that mean the user already chose): added only if none is given
 CPU_DEFAULTS = [
@@ -106,23 +106,40 @@ def _skip_jit_warmup(*args, **kwargs):
     nothing else."""
 
 
+def build_dataset_helpers(folder: Path) -> None:
+    """Run ``make`` in Megatron's dataset folder for the interpreter that runs this: its own
+    extension suffix and include paths on make's command line, which override the Makefile's
+    ``python3-config`` / ``python3 -m pybind11``.  Those follow PATH, and under pyenv a
+    Megatron-LM checkout's ``.python-version`` (3.12), to another interpreter, whose helper
+    (``helpers_cpp.cpython-312-*.so``) this one cannot import."""
+    import subprocess
+    import sysconfig
+
+    includes = subprocess.run([sys.executable, "-m", "pybind11", "--includes"],
+                              capture_output=True, text=True)
+    if includes.returncode != 0:
+        raise SystemExit(f"cpu_run: Megatron-LM builds its dataset helpers with pybind11, which "
+                         f"{sys.executable} cannot import: pip install pybind11")
+    command = ["make", "-C", str(folder), f"LIBEXT={sysconfig.get_config_var('EXT_SUFFIX')}",
+               f"CPPFLAGS={includes.stdout.strip()}"]
+    if subprocess.run(command).returncode != 0:
+        raise SystemExit(f"cpu_run: building Megatron's dataset helpers in {folder} failed "
+                         "(make's output above says why)")
+
+
 def _shim_compile_helpers(original):
     @functools.wraps(original)
     def compile_helpers():
         """Megatron-LM builds its dataset helpers with ``make`` at start.  A pip-installed
         megatron-core ships them built but has no Makefile: use those.  In a checkout, build
-        them with the Python that runs the script (``python3 -m pybind11`` on PATH).  Works
-        around running Megatron-LM from a wheel or a venv on CPU; nothing else."""
+        them for the Python that runs the script (``build_dataset_helpers``).  Works around
+        running Megatron-LM from a wheel, a venv or pyenv on CPU; nothing else."""
         here = Path(importlib.util.find_spec("megatron.core.datasets").origin).parent
-        if not (here / "Makefile").exists() and \
-                importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None:
-            return
-        path = os.environ.get("PATH", "")
-        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
-        try:
+        if (here / "Makefile").exists():
+            return build_dataset_helpers(here)
+        if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
             return original()
-        finally:
-            os.environ["PATH"] = path
+        return None
     return compile_helpers
 
 

@@ -32,6 +32,7 @@ from megatron_muon.core.lion import LION_STATE_KEYS, Lion
 from megatron_muon.core.moment2 import (moment2_expand, moment2_init, moment2_normalize,
                                         moment2_reduce)
 from megatron_muon.core.muon import decoupled_update, decoupled_update_, momentum_update_
+from megatron_muon.distributed.comm import failed_ranks
 from megatron_muon.distributed.owner_centric import OwnerCentricNS, Piece, ShardedMatrix
 from megatron_muon.core.plan import UnitTask, flops_cost, plan_owners
 from megatron_muon.megatron import compat
@@ -239,10 +240,8 @@ class ShardedMuonStep(torch.optim.Optimizer):
                                  [self._slice(flat, p) for p in ps])
         else:  # compare with the speculated U in place, then keep the true U there
             flat, matches = spec_flat, self._momentum_into_speculated(spec_flat)
-        if self.check_finite and not bool(torch.isfinite(flat).all()):
-            raise FloatingPointError(
-                "DMuon: non-finite (NaN/Inf) Muon gradient or momentum; with fp16 use a loss "
-                "scaler, otherwise check the data and the learning rate")
+        if self.check_finite:
+            self._check_finite(flat)
         out = None
         if self.overlap is not None:
             out = self.overlap.take({p: (g["lr"], g["weight_decay"])
@@ -257,6 +256,20 @@ class ShardedMuonStep(torch.optim.Optimizer):
             lr, wd = group["lr"], group["weight_decay"]
             # W <- W (1 - lr wd) - lr O for the whole group (``apply_update``'s ops, foreach)
             decoupled_update_(ps, [self._slice(out, p) for p in ps], lr, 1.0 - lr * wd)
+
+    def _check_finite(self, flat: torch.Tensor) -> None:
+        """``dmuon_check_finite``: raise on every rank of the exchange group if any rank's U
+        is non-finite.  The ranks agree first (``failed_ranks``: one all-reduce over the
+        group of the all-to-alls that follow): a NaN in one rank's shard raised there alone
+        would leave the others waiting in the owners' all-to-all until the NCCL timeout."""
+        bad = failed_ranks(not bool(torch.isfinite(flat).all()), self.engine.group,
+                           self.engine.device)
+        if bad:
+            raise FloatingPointError(
+                f"DMuon: non-finite (NaN/Inf) Muon gradient or momentum (found on rank"
+                f"{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}); with fp16 use a "
+                "loss scaler, otherwise check the data and the learning rate "
+                "(dmuon_check_finite)")
 
     @staticmethod
     def _grad(p: torch.Tensor) -> torch.Tensor:
@@ -441,6 +454,17 @@ class DMuonDistributedOptimizer(DMuonStateMixin, _SubsetMixin, DistributedOptimi
         if not self.is_stub_optimizer and self.optimizer.overlap is not None:
             self.optimizer.overlap.flush_all()
 
+    def close(self) -> None:
+        """Take back what this optimizer hooked into the DDP chunks (the overlap's grad-sync
+        and param-sync hooks), after landing a deferred update: another optimizer built on
+        the same model then runs alone.  This one still steps afterwards, without the
+        overlap (bitwise the same update).  Idempotent; the chained optimizer's teardown is
+        ``factory.close_optimizer``."""
+        if self.is_stub_optimizer or self.optimizer.overlap is None:
+            return
+        self.optimizer.overlap.close()
+        self.optimizer.overlap = None
+
     # -- Megatron hooks ---------------------------------------------------------------
     @property
     def optimizer_state_keys(self):
@@ -557,7 +581,7 @@ def build_engine(matrices, group, cfg, *, replicate: bool = False,
     """``(engine, plan)``: the owner plan of ``matrices`` over ``group`` (checked identical on
     every rank) and the ``OwnerCentricNS`` executor that runs it."""
     world = dist.get_world_size(group) if group is not None else 1
-    cost = _unit_cost(cfg)
+    cost = _unit_cost(cfg, [u.shape for m in matrices for u in m.units], group)
     tasks = [UnitTask(m.unit_key(i), u.shape, cost(u.shape), 4 * u.numel)
              for m in matrices for i, u in enumerate(m.units)]
     holdings = {}
@@ -575,7 +599,8 @@ def build_engine(matrices, group, cfg, *, replicate: bool = False,
         dist.all_gather_object(digests, plan.digest, group=group)
     if len(set(digests)) != 1:
         raise RuntimeError(f"DMuon: owner plans differ across ranks ({digests}); the plan "
-                           "must be deterministic (same model, same tuner cache on all ranks)")
+                           "must be deterministic (the same model and dmuon_* settings on "
+                           "every rank)")
     if cfg.dmuon_log_plan and dist.get_rank() == 0:
         logger.info("DMuon %s\n%s", "naive (replicated)" if replicate else "", plan.summary())
     ns_dtype = torch.bfloat16 if cfg.muon_fp32_matmul_prec == "medium" else torch.float32
@@ -601,16 +626,58 @@ def _check_whole(key, p, pieces, holders: int) -> None:
             "DDP model inside megatron_muon.megatron.matrix_placement.matrix_placement(...)")
 
 
-def _unit_cost(cfg):
+def _unit_cost(cfg, shapes, group):
+    """The owner planner's cost of NS on one unit, by shape: flops, or (``dmuon_plan_cost=
+    'tuner'``) seconds measured once and shared by every rank of ``group``."""
     if cfg.dmuon_plan_cost == "tuner":
-        from megatron_muon.kernels import NSTuner
-
-        tuner = NSTuner(cache_path=cfg.dmuon_tuner_cache)
-        dtype = torch.bfloat16 if cfg.muon_fp32_matmul_prec == "medium" else torch.float32
-        dev = compat.device()
-        return lambda shape: tuner.time(shape[0], shape[1], 1, dtype, dev)
+        return _shared_tuner_costs(cfg, sorted(set(shapes)), group).__getitem__
     method = compat.ns_method(cfg)
     coefficients = cfg.muon_coefficient_type if isinstance(cfg.muon_coefficient_type, str) \
         else "simple"
     return flops_cost(cfg.muon_num_ns_steps, method="standard" if method == "auto" else method,
                       coefficients=coefficients)
+
+
+def plan_tuner(cfg):
+    """The NS tuner whose timings are the planner's costs: it validates and times the
+    candidates on the run's NS problem (``muon_num_ns_steps``, ``muon_coefficient_type``),
+    not on the tuner's defaults (5 steps of 'simple'), which another step count or
+    coefficient set would make a different problem with other timings and other failures."""
+    from megatron_muon.kernels import NSTuner
+
+    return NSTuner(cache_path=cfg.dmuon_tuner_cache, steps=cfg.muon_num_ns_steps,
+                   coefficients=cfg.muon_coefficient_type)
+
+
+def _shared_tuner_costs(cfg, shapes: list, group) -> dict:
+    """{unit shape: seconds of NS on it}, timed on rank 0 of ``group`` alone and shared with
+    every rank (one all-reduce).
+
+    Timings differ by rank and by run on real GPUs: ranks that each timed the kernels
+    themselves would plan differently, and ``build_engine``'s plan digest check would
+    refuse them.  One measuring rank is also one writer of the tuner cache per group.  The
+    others wait in the all-reduce while it tunes keys it has no cache entry for (seconds per
+    shape); if it fails, every rank raises (``failed_ranks``' pattern: no rank is left
+    waiting in a collective)."""
+    rank = dist.get_rank(group) if group is not None else 0
+    # [seconds per shape..., failed]: MAX over the group, where only rank 0 writes
+    out = torch.zeros(len(shapes) + 1, dtype=torch.float64, device=compat.device())
+    error = None
+    if rank == 0:
+        try:
+            tuner = plan_tuner(cfg)
+            dtype = torch.bfloat16 if cfg.muon_fp32_matmul_prec == "medium" else torch.float32
+            dev = compat.device()
+            for i, (m, n) in enumerate(shapes):
+                out[i] = tuner.time(m, n, 1, dtype, dev)
+        except Exception as exc:  # raised below, after the others know
+            error, out[-1] = exc, 1.0
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    if out[-1] > 0:
+        where = dist.get_global_rank(group, 0) if group is not None else \
+            dist.get_rank() if dist.is_initialized() else 0
+        raise RuntimeError(f"DMuon: dmuon_plan_cost='tuner': timing the Newton-Schulz kernels "
+                           f"on rank {where} failed (the cause is chained there); fix "
+                           "dmuon_tuner_cache or use dmuon_plan_cost='flops'") from error
+    return dict(zip(shapes, out[:-1].tolist()))

@@ -5,11 +5,26 @@
 Muon matrices and the rest, and constructs the distributed optimizers directly
 (``compat.build_distributed_optimizer``: nothing of Megatron's is replaced), handing each
 the groups it works over.
+
+What a build changes outside the optimizer, and what ``close_optimizer`` (also the chained
+optimizer's ``close()``) undoes:
+
+* hooks: DMuon's overlap on the DDP bucket groups and chunks (``dmuon_overlap``), the
+  per-head max-logit recorders on local core attention (``qk_clip``), the timeline's
+  observers (``dmuon_trace_dir``; the trace is then written at ``close()``, not at exit):
+  all removed, so that a second optimizer built on the same DDP model runs alone;
+* ``dmuon_zero3``: the DDP chunks are converted to ZeRO-3 in place (``zero3.shard_model``:
+  each rank keeps only the parameters it owns).  That is the model's, not the optimizer's:
+  it stays, a later build reuses it, and ``MatrixZeRO3.close()`` removes its hooks when the
+  model itself is discarded (its storage stays sharded);
+* Megatron's own: the distributed optimizer sets ``param.main_param`` on the model's
+  parameters (the next build sets them again).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 
 import torch.distributed as dist
@@ -20,11 +35,11 @@ from megatron_muon.megatron import compat
 from megatron_muon.megatron.dmuon import (DMuonDistributedOptimizer, LionSubsetDistributedOptimizer,
                                           SubsetDistributedOptimizer)
 from megatron_muon.megatron.groups import DMuonGroups
-from megatron_muon.megatron.params import is_muon_matrix
+from megatron_muon.megatron.params import check_expert_layout, is_muon_matrix
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["get_megatron_optimizer", "build_dmuon_optimizer"]
+__all__ = ["get_megatron_optimizer", "build_dmuon_optimizer", "close_optimizer"]
 
 
 def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
@@ -62,6 +77,8 @@ def build_dmuon_optimizer(config, model_chunks, config_overrides=None,
     for chunk in model_chunks:
         for name, p in chunk.named_parameters():
             names[p] = name
+        check_expert_layout(chunk.named_parameters(), chunk.named_modules(),
+                            config.dmuon_adam_params)
     muon_set = {p for p, n in names.items()
                 if p.requires_grad and is_muon_matrix(n, p, config.dmuon_adam_params)}
     if dist.get_rank() == 0:
@@ -102,14 +119,28 @@ def build_dmuon_optimizer(config, model_chunks, config_overrides=None,
     for opt in muon_opts:
         opt.publish_params = False
     chained = ChainedOptimizer(muon_opts + adam_opts)
-    from megatron_muon.megatron.qk_clip import install_max_logit_recorders
+    from megatron_muon.megatron.qk_clip import record_max_logits
 
-    install_max_logit_recorders(model_chunks)  # QK-clip on local attention: megatron/qk_clip.py
+    # what close_optimizer takes back besides the sub-optimizers' own hooks, in build order
+    teardown = [record_max_logits(model_chunks)]  # QK-clip on local attention: megatron/qk_clip.py
     if config.dmuon_trace_dir:
-        import atexit
+        from megatron_muon.megatron.tracing import trace_run
 
-        from megatron_muon.megatron.tracing import enable_tracing, save_trace
-
-        enable_tracing(model_chunks, chained)
-        atexit.register(save_trace, config.dmuon_trace_dir)
+        teardown.append(trace_run(model_chunks, chained, config.dmuon_trace_dir))
+    chained.dmuon_teardown = teardown
+    chained.close = functools.partial(close_optimizer, chained)
     return chained
+
+
+def close_optimizer(optimizer) -> None:
+    """Undo what ``build_dmuon_optimizer`` installed (the module docstring lists it): every
+    sub-optimizer's ``close()`` (DMuon's overlap hooks, after landing a deferred update),
+    then the build's recorders and trace hooks, last installed first.  Build a second
+    optimizer on the same model only after closing the first: both would otherwise react
+    to the model's hooks.  Idempotent; a no-op for an optimizer this factory did not build."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(sub, "close"):
+            sub.close()
+    teardown = getattr(optimizer, "dmuon_teardown", [])
+    while teardown:
+        teardown.pop().close()

@@ -199,9 +199,21 @@ class SpeculationGate:
         self.probes += 1
 
 
+def speculated_u(step, main_param, grad: torch.Tensor, out: torch.Tensor) -> None:
+    """The speculation's U of one main-param shard, written into ``out`` (a flat slice):
+    from a copy of the momentum (the step commits the real one), with the very op the step
+    uses for its own U (``momentum_update(..., out=)``: ``torch.add(..., out=)``).  The step
+    compares the two bit for bit to decide whether the speculation stands, so they must not
+    differ by how a kernel rounds (a foreach add and a plain add need not agree on a GPU)."""
+    buf = step.state[main_param]["momentum_buffer"].clone()
+    momentum_update(buf, grad.view_as(main_param), step.momentum, step.nesterov,
+                    out=out.view_as(main_param))
+
+
 class DMuonOverlap:
     """Hooks one ``DMuonDistributedOptimizer`` into its DDP chunks' grad-sync calls
-    (through ``megatron_muon.megatron.hooks``; ``remove()`` takes the hooks back).
+    (through ``megatron_muon.megatron.hooks``; ``remove()`` takes the hooks back, ``close()``
+    also finishes or drops the work in flight first).
 
     ``adaptive``: back off after a redone or dropped speculation (see the module docstring);
     False speculates in every backward pass (``dmuon_overlap='on'``).
@@ -275,6 +287,17 @@ class DMuonOverlap:
         for r in self.registrations:
             r.remove()
         self.registrations = []
+
+    def close(self) -> None:
+        """Teardown (``DMuonDistributedOptimizer.close``): land a deferred update, wait for
+        the gathers of a speculation still in flight (an async all-to-all left unwaited
+        would hold its buffers and its place in the group's collective order), drop the
+        speculation and unhook.  Idempotent."""
+        self.flush_all()
+        if self.spec is not None:
+            self.spec.drain(self.engine)
+            self.spec = None
+        self.remove()
 
     def _speculating(self) -> bool:
         """Decide, at the first hook of a backward pass, whether this pass speculates."""
@@ -358,9 +381,8 @@ class DMuonOverlap:
                 if scaler is not None:  # the unscale Megatron applies in prepare_grads
                     torch._amp_foreach_non_finite_check_and_unscale_([grad], found,
                                                                       scaler.inv_scale)
-                buf = step.state[e.main_param]["momentum_buffer"].clone()
-                u = momentum_update(buf, grad.view_as(e.main_param), step.momentum, step.nesterov)
-                spec.flat[e.offset: e.offset + u.numel()].copy_(u.view(-1))
+                speculated_u(step, e.main_param, grad,
+                             spec.flat[e.offset: e.offset + e.main_param.numel()])
             for b in g.engine_buckets:
                 spec.gathers.append(self.engine.gather(spec.flat, b, spec.owned, async_op=True))
 

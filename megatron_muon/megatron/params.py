@@ -12,7 +12,7 @@ import torch
 
 from megatron_muon.core.units import Unit, gate_up_units, qkv_units, whole_units
 
-__all__ = ["is_muon_matrix", "muon_units", "full_shape", "tp_partition_dim"]
+__all__ = ["is_muon_matrix", "check_expert_layout", "muon_units", "full_shape", "tp_partition_dim"]
 
 _NON_MUON = re.compile(r"(embedding|output_layer|word_embeddings|position_embeddings)")
 
@@ -30,6 +30,31 @@ def is_muon_matrix(name: str, param: torch.Tensor, extra_adam: Optional[str] = N
     if extra_adam and re.search(extra_adam, name):
         return False
     return True
+
+
+def check_expert_layout(named_parameters, named_modules, extra_adam: Optional[str] = None) -> None:
+    """Refuse expert weights that Muon would orthogonalise as one matrix for several experts.
+
+    Each MoE expert must be its own unit.  Megatron's legacy ``GroupedMLP``
+    (``--moe-grouped-gemm`` without Transformer Engine, megatron-core <= 0.16) stores all
+    local experts in one 2-D ``weight1`` / ``weight2`` whose per-expert matrices are
+    reshapes of flat blocks, not blocks of the 2-D tensor; a weight of 3 or more dimensions
+    inside the layers would go to AdamW unnoticed.  ``TEGroupedMLP`` (one ``weight{i}`` per
+    expert) and ``SequentialMLP`` keep one 2-D tensor per expert and work as they are.
+    """
+    for name, module in named_modules:
+        if type(module).__name__ == "GroupedMLP":
+            raise ValueError(f"dmuon: {name} is Megatron's legacy GroupedMLP, which keeps all "
+                             "local experts in one weight1 / weight2; Muon needs one matrix per "
+                             "expert: use Transformer Engine's grouped experts (TEGroupedMLP, "
+                             "--transformer-impl transformer_engine --moe-grouped-gemm) or "
+                             "SequentialMLP (no --moe-grouped-gemm)")
+    for name, p in named_parameters:
+        if p.ndim > 2 and ".layers." in f".{name}" and p.requires_grad and \
+                not (extra_adam and re.search(extra_adam, name)):
+            raise ValueError(f"dmuon: {name} has shape {tuple(p.shape)}; Muon takes 2-D "
+                             "matrices, one per expert: store each expert's weight as its own "
+                             "2-D parameter, or send it to AdamW with --dmuon-adam-params")
 
 
 def tp_partition_dim(param: torch.Tensor) -> Optional[int]:

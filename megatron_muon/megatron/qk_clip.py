@@ -33,10 +33,11 @@ import torch.distributed as dist
 from megatron_muon.core.qk_clip import check_qk_clip_settings, qk_clip_eta, qkv_row_scales, scale_flat_rows
 from megatron_muon.megatron import compat
 
-__all__ = ["clip_qk", "install_max_logit_recorders", "attention_layers"]
+__all__ = ["clip_qk", "install_max_logit_recorders", "record_max_logits", "MaxLogitRecorders",
+           "attention_layers"]
 
 _RECORDED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # core_attention -> [heads]
-_HOOKED: "weakref.WeakSet" = weakref.WeakSet()
+_HOOKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # core_attention -> hook handle
 
 
 def attention_layers(model_chunks) -> list:
@@ -58,15 +59,38 @@ def _te_records(core) -> bool:
 def install_max_logit_recorders(model_chunks) -> int:
     """Record per-head max attention logits on every local (non-TE) core attention of a
     layer with ``qk_clip`` (or ``log_max_attention_logit``); returns how many were hooked."""
-    count = 0
+    return len(record_max_logits(model_chunks).cores)
+
+
+class MaxLogitRecorders:
+    """The recorders one ``record_max_logits`` call installed; ``close()`` removes them."""
+
+    def __init__(self, cores: list):
+        self.cores = cores
+
+    def close(self) -> None:
+        """Remove these recorders and what they recorded (a core attention hooked by another
+        call stays hooked); a later ``record_max_logits`` can install them again.
+        Idempotent."""
+        for core in self.cores:
+            handle = _HOOKED.pop(core, None)
+            if handle is not None:
+                handle.remove()
+            _RECORDED.pop(core, None)
+        self.cores = []
+
+
+def record_max_logits(model_chunks) -> MaxLogitRecorders:
+    """``install_max_logit_recorders`` with a teardown (the factory's: ``close_optimizer``):
+    a core attention that already records (an earlier call) is left to that call."""
+    cores = []
     for attn in attention_layers(model_chunks):
         core = attn.core_attention
         if not _wants_logits(attn.config) or _te_records(core) or core in _HOOKED:
             continue
-        core.register_forward_pre_hook(_record, with_kwargs=True)
-        _HOOKED.add(core)
-        count += 1
-    return count
+        _HOOKED[core] = core.register_forward_pre_hook(_record, with_kwargs=True)
+        cores.append(core)
+    return MaxLogitRecorders(cores)
 
 
 @torch.no_grad()

@@ -284,10 +284,20 @@ class MatrixZeRO3:
         self.registrations.append(hooks.replace(obj, name, fn, owner="ZeRO-3"))
 
     def remove(self) -> None:
-        """Take back ZeRO-3's replacements of Megatron's bucket-group and buffer methods."""
+        """Take back everything ZeRO-3 installed: its replacements of Megatron's bucket-group
+        and buffer methods, the model's state-dict hooks, the modules' forward hooks and the
+        gradient accumulators' pre-hooks.  The storage stays sharded (the parameters that
+        another rank owns have none here), so the model cannot train afterwards: this is
+        for discarding it, not for a second optimizer on it (``shard_model`` reuses a live
+        ZeRO-3 state for that).  Idempotent."""
         for r in self.registrations:
             r.remove()
         self.registrations = []
+        for handle in self.hook_handles:
+            handle.remove()
+        self.hook_handles = []
+
+    close = remove  # the teardown name of the package's other hook owners
 
     def _scaler(self, buf):
         mine = [zb for zb in self.buckets if self.buffer_of[zb.params[0]] is buf]
@@ -333,6 +343,7 @@ class MatrixZeRO3:
 
     # -- hooks ----------------------------------------------------------------------------
     def _install_hooks(self) -> None:
+        self.hook_handles: list = []  # removed by remove() / close()
         for module in self.ddp.module.modules():
             params = [p for p in module.parameters(recurse=False) if p in self.bucket_of]
             params += self._tied_params(module)
@@ -341,12 +352,13 @@ class MatrixZeRO3:
             zbs = list({id(self.bucket_of[p]): self.bucket_of[p] for p in params}.values())
             for zb in zbs:
                 zb.modules.add(module)
-            module.register_forward_pre_hook(self._pre_forward(zbs))
-            module.register_forward_hook(self._post_forward(module, zbs))
+            self.hook_handles += [module.register_forward_pre_hook(self._pre_forward(zbs)),
+                                  module.register_forward_hook(self._post_forward(module, zbs))]
         # a gradient never lands in a freed buffer: allocate it before AccumulateGrad runs
         for p, zb in self.bucket_of.items():
             if p in self._grad_accs:
-                self._grad_accs[p].register_prehook(lambda grads, zb=zb: zb.ensure_grad_buffer())
+                self.hook_handles.append(self._grad_accs[p].register_prehook(
+                    lambda grads, zb=zb: zb.ensure_grad_buffer()))
 
     def _tied_params(self, module) -> list:
         """The output layer of a model with shared embeddings uses the embedding weight."""
@@ -371,7 +383,14 @@ class MatrixZeRO3:
                 zb.ensure_grad_buffer()
             return grad
 
+        gathered = [zb.pfull for zb in zbs]
+
         def hook(mod, args, output):
+            # A module may return one of its own parameters (Megatron's linear layers with
+            # skip_bias_add return the bias for the fused bias-dropout-add that follows): the
+            # caller uses it after this hook frees the gather buffer it is a view of.  Hand
+            # the caller a copy instead (bitwise the same; autograd still reaches the bias).
+            output = _copy_views_of(output, {b.untyped_storage()._cdata for b in gathered})
             for t in _tensors(output):
                 if t.requires_grad and t.grad_fn is not None:
                     t.register_hook(pre_backward)
@@ -380,6 +399,7 @@ class MatrixZeRO3:
                 if zb.fwd_done >= zb.modules:
                     zb.fwd_done.clear()
                     zb.release()  # reshard after forward
+            return output
         return hook
 
     # -- whole-model access ----------------------------------------------------------------
@@ -406,6 +426,20 @@ class MatrixZeRO3:
     def owns(self, p) -> bool:
         zb = self.bucket_of.get(p)
         return zb is not None and p in zb.shard_grads
+
+
+def _copy_views_of(output, storages: set):
+    """``output`` with every tensor whose storage is in ``storages`` replaced by a copy."""
+    if torch.is_tensor(output):
+        return output.clone() if output.untyped_storage()._cdata in storages else output
+    if isinstance(output, (tuple, list)):
+        copied = [_copy_views_of(o, storages) for o in output]
+        if all(a is b for a, b in zip(copied, output)):
+            return output
+        return type(output)(copied) if not hasattr(output, "_fields") else type(output)(*copied)
+    if isinstance(output, dict):
+        return {k: _copy_views_of(v, storages) for k, v in output.items()}
+    return output
 
 
 def _tensors(output):

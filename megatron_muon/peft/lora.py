@@ -74,12 +74,10 @@ __all__ = [
     "LORA_TARGETS",
     "apply_lora",
     "lora_adapters",
-    "lora_parameters",
     "merge_lora",
     "unmerge_lora",
     "lora_disabled",
     "full_lora_factors",
-    "lora_state_dict",
     "save_lora",
     "load_lora",
     "read_lora_config",
@@ -596,10 +594,6 @@ def lora_adapters(model) -> list[LoRAAdapter]:
     return [ad for _, ad in _lora_layers(model)]
 
 
-def lora_parameters(model) -> list[torch.nn.Parameter]:
-    return [p for ad in lora_adapters(model) for p in (ad.A, ad.B)]
-
-
 def merge_lora(model) -> int:
     """``W0 += gamma B A`` for every adapter (local shards, no communication); the adapter
     branch is then skipped.  Returns the number of adapters merged (already merged ones are
@@ -643,11 +637,6 @@ def full_lora_factors(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         A, B = ad.gather_full(canonical=True)
         out[ad.global_name] = (A.cpu(), B.cpu())
     return out
-
-
-def lora_state_dict(model) -> dict[str, dict[str, torch.Tensor]]:
-    """{global name: {"A": ..., "B": ...}} of this rank's stage (collective over TP)."""
-    return {k: {"A": a, "B": b} for k, (a, b) in full_lora_factors(model).items()}
 
 
 def _writes_for(ad: LoRAAdapter) -> bool:

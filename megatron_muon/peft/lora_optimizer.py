@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_muon.core.muon import Muon
+from megatron_muon.peft.resets import check_reset, prune_by_magnitude
 from megatron_muon.peft.smuon import SMuon
 from megatron_muon.distributed.trace import span
 from megatron_muon.peft.lora import LoRAAdapter, _as_chunks, lora_adapters
@@ -182,9 +183,7 @@ class LoRAOptimizer:
         it (a fresh optimizer), ``prune`` zeroes all but the ``1 - prune_ratio``
         largest-magnitude entries of each state tensor (step counters are kept), ``keep``
         leaves it.  Local: the state is replicated, so every rank does the same."""
-        from megatron_muon.peft.relora import _check_reset, prune_by_magnitude
-
-        _check_reset(reset, prune_ratio)
+        check_reset(reset, prune_ratio)
         if len(factors) != len(self.masters):
             raise ValueError(f"restart_adapters got {len(factors)} factor pairs for "
                              f"{len(self.masters)} adapters")

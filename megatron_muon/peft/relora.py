@@ -35,11 +35,11 @@ import torch.distributed as dist
 
 from megatron_muon.peft.lora import LoRAConfig, _lora_layers
 from megatron_muon.peft.lora_optimizer import LoRAOptimizer
+from megatron_muon.peft.resets import RESETS, check_reset, prune_by_magnitude
 
 __all__ = ["ReLoRA", "RESETS", "jagged_lr", "prune_by_magnitude", "TrainableAdamW",
            "trainable_base_parameters", "save_training_state", "load_training_state"]
 
-RESETS = ("zero", "prune", "keep")
 STATE_FORMAT = "megatron_muon.relora/1"
 
 
@@ -62,30 +62,6 @@ def jagged_lr(it: int, *, lr: float, min_lr: float, warmup: int, total: int,
     return value
 
 
-# ============================================================================== state reset
-@torch.no_grad()
-def prune_by_magnitude(t: torch.Tensor, ratio: float) -> None:
-    """Zero the ``floor(ratio * numel)`` smallest-magnitude entries of ``t`` in place (ties at
-    the threshold are zeroed too, so the result does not depend on the order of equal
-    values)."""
-    k = int(math.floor(ratio * t.numel()))
-    if k <= 0:
-        return
-    if k >= t.numel():
-        t.zero_()
-        return
-    threshold = t.abs().reshape(-1).kthvalue(k).values
-    t.masked_fill_(t.abs() <= threshold, 0)
-
-
-def _check_reset(reset: str, prune_ratio: float) -> None:
-    if reset not in RESETS:
-        raise ValueError(f"ReLoRA reset must be one of {list(RESETS)}, got {reset!r}")
-    if isinstance(prune_ratio, bool) or not isinstance(prune_ratio, (int, float)) \
-            or not 0 <= prune_ratio <= 1:
-        raise ValueError(f"ReLoRA prune ratio must be in [0, 1], got {prune_ratio!r}")
-
-
 # ============================================================================== the restarts
 class ReLoRA:
     """Merge-and-restart of a model's LoRA adapters and their optimizer.
@@ -105,7 +81,7 @@ class ReLoRA:
                 or restart_every < 1:
             raise ValueError(f"ReLoRA restart_every must be an integer >= 1, got "
                              f"{restart_every!r}")
-        _check_reset(reset, prune_ratio)
+        check_reset(reset, prune_ratio)
         if not isinstance(optimizer, LoRAOptimizer):
             raise ValueError("ReLoRA needs the adapters' LoRAOptimizer")
         self.layers = _lora_layers(model)

@@ -39,9 +39,10 @@ def _blockwise(units, name: str, p, model, tp: int) -> list:
 
 def reference_train(cfg: dict, dp_size: int, steps: int = 3, opt: Optional[dict] = None,
                     muon: bool = True, grad_hook_inf_step: Optional[int] = None,
-                    tp_blockwise: int = 1) -> dict:
+                    tp_blockwise: int = 1, ns_eps: Optional[float] = None) -> dict:
     """``tp_blockwise > 1``: Newton-Schulz per TP shard of that TP size (the oracle of
-    ``dmuon_tp_mode='blockwise'``)."""
+    ``dmuon_tp_mode='blockwise'``).  ``ns_eps``: Newton-Schulz's normalisation eps
+    (X / (||X||_F + eps); None: ``Muon``'s default, 1e-7)."""
     from megatron_muon.testing.workers import make_optimizer_config
 
     gcfg = TinyGPTConfig(**cfg)
@@ -73,7 +74,8 @@ def reference_train(cfg: dict, dp_size: int, steps: int = 3, opt: Optional[dict]
                          scale_mode=o.muon_scale_mode, extra_scale_factor=o.muon_extra_scale_factor,
                          units=units, ns_method=ns_method(o), moment2=o.dmuon_moment2,
                          beta2=o.adaptive_muon_beta2, moment2_eps=o.adaptive_muon_eps,
-                         ns_dtype=torch.bfloat16 if o.muon_fp32_matmul_prec == "medium" else None))
+                         ns_dtype=torch.bfloat16 if o.muon_fp32_matmul_prec == "medium" else None,
+                         **({} if ns_eps is None else dict(eps=ns_eps))))
     qk_clip = bool(gcfg.extra.get("qk_clip"))
     if qk_clip:
         from megatron_muon.megatron.qk_clip import clip_qk, install_max_logit_recorders
