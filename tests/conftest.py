@@ -1,21 +1,16 @@
 import os
-import typing
 
 import pytest
 import torch
+
+from megatron_muon.megatron.cpu_run import alias_typing_override
 
 torch.set_num_threads(1)
 # emerging_optimizers 0.3 (Megatron-Core 0.19's Muon, AdaptiveMuon, Lion) imports
 # typing.override, new in Python 3.12; megatron.core.optimizer imports it as soon as it is
 # installed.  On 3.11 alias typing_extensions' here, for this process and the ranks it forks
 # (CI's 0.19.2 lane does it for every process: .ci/typing_override.pth).
-if not hasattr(typing, "override"):
-    try:
-        import typing_extensions
-
-        typing.override = typing_extensions.override
-    except ImportError:
-        pass
+alias_typing_override()
 # run_ranks forks test ranks from this process instead of starting interpreters that each
 # import torch and Megatron again (megatron_muon/testing/launch.py); set it to 'spawn' to
 # start every rank fresh

@@ -329,10 +329,9 @@ needs_training = pytest.mark.skipif(
 # Megatron-LM's real parser (with add_dmuon_args, as the patch registers it), in a
 # subprocess so that this session's modules stay untouched.
 _PARSER_DRIVER = r"""
-import argparse, dataclasses, json, sys, typing
-if not hasattr(typing, "override"):  # Megatron-LM 0.19 imports typing.override (3.12+)
-    import typing_extensions
-    typing.override = typing_extensions.override
+import argparse, dataclasses, json, sys
+from megatron_muon.megatron.cpu_run import alias_typing_override
+alias_typing_override()  # Megatron-LM 0.19 imports typing.override (3.12+)
 import megatron.training.arguments as A
 from megatron.core.optimizer import OptimizerConfig
 from megatron_muon.megatron.arguments import (DMuonArgumentError, add_dmuon_args,

@@ -44,17 +44,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Megatron-Core 0.19's Muon needs emerging_optimizers, whose code uses typing.override
 # (Python 3.12); on 3.11 alias it before Megatron imports it (benchmark only).
-import typing  # noqa: E402
-
 import torch  # noqa: E402
 
-if not hasattr(typing, "override"):
-    try:
-        import typing_extensions
+from megatron_muon.megatron.cpu_run import alias_typing_override  # noqa: E402
 
-        typing.override = typing_extensions.override
-    except ImportError:
-        pass
+alias_typing_override()
 
 
 def _mcore_muon_config(base: dict, tp_mode: str):

@@ -57,7 +57,6 @@ def ns_function(cfg) -> Callable:
     tuner = None
     if batched_newton_schulz is not None and backend == "auto" and \
             getattr(cfg, "dmuon_plan_cost", "flops") == "tuner":
-        from megatron_muon.kernels import NSTuner
         from megatron_muon.kernels.tuner import default_candidates
 
         candidates = None
@@ -65,9 +64,7 @@ def ns_function(cfg) -> Callable:
             gram = method == "gram"
             candidates = [n for n in default_candidates(device())
                           if n.startswith("torch_gram") == gram]
-        # validated and timed on the run's NS problem, as the planner's tuner (dmuon.plan_tuner)
-        tuner = NSTuner(cache_path=cfg.dmuon_tuner_cache, candidates=candidates,
-                        steps=cfg.muon_num_ns_steps, coefficients=cfg.muon_coefficient_type)
+        tuner = ns_tuner(cfg, candidates)
 
     def fn(x, steps, coefficients, eps, dtype):
         with _tf32_matmuls(x.device) if tf32 else contextlib.nullcontext():
@@ -78,6 +75,18 @@ def ns_function(cfg) -> Callable:
                                          dtype=dtype, backend=backend, tuner=tuner, method=fixed)
 
     return fn
+
+
+def ns_tuner(cfg, candidates=None):
+    """The run's NS auto-tuner (the owners' kernel choice and, with
+    ``dmuon_plan_cost='tuner'``, the planner's costs): it validates and times the candidates
+    on the run's NS problem (``muon_num_ns_steps``, ``muon_coefficient_type``), not on the
+    tuner's defaults (5 steps of 'simple'), which another step count or coefficient set would
+    make a different problem with other timings and other failures."""
+    from megatron_muon.kernels import NSTuner
+
+    return NSTuner(cache_path=cfg.dmuon_tuner_cache, candidates=candidates,
+                   steps=cfg.muon_num_ns_steps, coefficients=cfg.muon_coefficient_type)
 
 
 def _tf32_matmuls_on(device_type: str, flags=None) -> Callable[[], None]:

@@ -527,19 +527,17 @@ def check_muon_setup(get: Callable[[str], Any], *, cli: bool, error: type = Valu
             fail(f"{opt} keeps main grads, main params and Adam moments in fp32: {shown} needs "
                  f"{s.set('use_precision_aware_optimizer', True)}, which {optimizer} does not "
                  f"support; {'drop ' + N(key) if cli else 'leave ' + key + ' at fp32'}")
-    cp = get("context_parallel_size") or 1
-    if cp > 1:
-        fail(f"{opt} does not support {N('context_parallel_size')} > 1 yet (got {cp}); "
-             f"use {s.set('context_parallel_size', 1)}")
+    for key, later in (("context_parallel_size", " yet"),
+                       ("num_distributed_optimizer_instances", "")):
+        size = get(key) or 1
+        if size > 1:
+            fail(f"{opt} does not support {N(key)} > 1{later} (got {size}); "
+                 f"use {s.set(key, 1)}")
     etp = get("expert_tensor_parallel_size") or 1
     if (get("num_experts") or 0) > 0 and etp > 1:
         fail(f"{opt} supports MoE experts with {N('expert_tensor_parallel_size')} 1 only (got "
              f"{etp}; Megatron-LM defaults it to the tensor-parallel size); add "
              f"{s.set('expert_tensor_parallel_size', 1)}")
-    instances = get("num_distributed_optimizer_instances") or 1
-    if instances > 1:
-        fail(f"{opt} does not support {N('num_distributed_optimizer_instances')} > 1 (got "
-             f"{instances}); use {s.set('num_distributed_optimizer_instances', 1)}")
     if get("dump_param_to_param_group_map"):
         fail(f"{opt} does not support {N('dump_param_to_param_group_map')} (its parameter "
              f"groups are split between DMuon and AdamW); drop it")

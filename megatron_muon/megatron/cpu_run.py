@@ -22,7 +22,8 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["CPU_DEFAULTS", "with_cpu_defaults", "install_shims", "build_dataset_helpers", "main"]
+__all__ = ["CPU_DEFAULTS", "with_cpu_defaults", "install_shims", "build_dataset_helpers",
+           "alias_typing_override", "main"]
 
 # (flag, value or None, flags that mean the user already chose): added only if none is given
 CPU_DEFAULTS = [
@@ -143,9 +144,11 @@ def _shim_compile_helpers(original):
     return compile_helpers
 
 
-def _shim_typing_override() -> None:
-    """Megatron-LM 0.19+ imports ``typing.override`` (Python 3.12+); on 3.11 take
-    typing_extensions'.  Works around Megatron-LM's Python floor; nothing else."""
+def alias_typing_override() -> None:
+    """Megatron-LM 0.19+ and emerging_optimizers 0.3 (Megatron-Core 0.19's Muon) import
+    ``typing.override`` (Python 3.12+); on 3.11 take typing_extensions'.  Works around their
+    Python floor; nothing else.  This module imports nothing of Megatron, so it can run
+    before Megatron is imported (the tests, the benchmarks)."""
     import typing
 
     if not hasattr(typing, "override"):
@@ -158,7 +161,7 @@ def install_shims() -> None:
     """Turn on CPU mode and the shims (idempotent); call before the script imports Megatron."""
     from megatron_muon.megatron.cpu_mode import enable_cpu_mode
 
-    _shim_typing_override()
+    alias_typing_override()
     enable_cpu_mode()
     import megatron.core.datasets.utils as dataset_utils
     import megatron.training  # noqa: F401  (imports initialize, arguments, training)

@@ -603,11 +603,10 @@ def build_engine(matrices, group, cfg, *, replicate: bool = False,
                            "every rank)")
     if cfg.dmuon_log_plan and dist.get_rank() == 0:
         logger.info("DMuon %s\n%s", "naive (replicated)" if replicate else "", plan.summary())
-    ns_dtype = torch.bfloat16 if cfg.muon_fp32_matmul_prec == "medium" else torch.float32
     engine = OwnerCentricNS(
         matrices, plan, group, ns_steps=cfg.muon_num_ns_steps,
         coefficients=cfg.muon_coefficient_type, scale_mode=cfg.muon_scale_mode,
-        extra_scale_factor=cfg.muon_extra_scale_factor, ns_dtype=ns_dtype,
+        extra_scale_factor=cfg.muon_extra_scale_factor, ns_dtype=ns_dtype(cfg),
         device=compat.device(), replicate=replicate, ns_fn=compat.ns_function(cfg),
         local_numel=local_numel)
     return engine, plan
@@ -638,15 +637,10 @@ def _unit_cost(cfg, shapes, group):
                       coefficients=coefficients)
 
 
-def plan_tuner(cfg):
-    """The NS tuner whose timings are the planner's costs: it validates and times the
-    candidates on the run's NS problem (``muon_num_ns_steps``, ``muon_coefficient_type``),
-    not on the tuner's defaults (5 steps of 'simple'), which another step count or
-    coefficient set would make a different problem with other timings and other failures."""
-    from megatron_muon.kernels import NSTuner
-
-    return NSTuner(cache_path=cfg.dmuon_tuner_cache, steps=cfg.muon_num_ns_steps,
-                   coefficients=cfg.muon_coefficient_type)
+def ns_dtype(cfg) -> torch.dtype:
+    """The dtype the owners' Newton-Schulz runs in: bf16 with ``muon_fp32_matmul_prec=
+    'medium'`` (Megatron's default), fp32 otherwise."""
+    return torch.bfloat16 if cfg.muon_fp32_matmul_prec == "medium" else torch.float32
 
 
 def _shared_tuner_costs(cfg, shapes: list, group) -> dict:
@@ -665,9 +659,8 @@ def _shared_tuner_costs(cfg, shapes: list, group) -> dict:
     error = None
     if rank == 0:
         try:
-            tuner = plan_tuner(cfg)
-            dtype = torch.bfloat16 if cfg.muon_fp32_matmul_prec == "medium" else torch.float32
-            dev = compat.device()
+            tuner = compat.ns_tuner(cfg)
+            dtype, dev = ns_dtype(cfg), compat.device()
             for i, (m, n) in enumerate(shapes):
                 out[i] = tuner.time(m, n, 1, dtype, dev)
         except Exception as exc:  # raised below, after the others know

@@ -383,14 +383,16 @@ class MatrixZeRO3:
                 zb.ensure_grad_buffer()
             return grad
 
-        gathered = [zb.pfull for zb in zbs]
+        # the gather buffers' storages: freed and re-allocated in place (resize_), never
+        # replaced, so their identities hold for the life of the hook
+        gathered = {zb.pfull.untyped_storage()._cdata for zb in zbs}
 
         def hook(mod, args, output):
             # A module may return one of its own parameters (Megatron's linear layers with
             # skip_bias_add return the bias for the fused bias-dropout-add that follows): the
             # caller uses it after this hook frees the gather buffer it is a view of.  Hand
             # the caller a copy instead (bitwise the same; autograd still reaches the bias).
-            output = _copy_views_of(output, {b.untyped_storage()._cdata for b in gathered})
+            output = _copy_views_of(output, gathered)
             for t in _tensors(output):
                 if t.requires_grad and t.grad_fn is not None:
                     t.register_hook(pre_backward)

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import importlib
 import os
-import typing
 from typing import Optional
 
 import torch
+
+from megatron_muon.megatron.cpu_run import alias_typing_override
 
 __all__ = ["REQUIRE_PEERS", "import_peer", "mcore_muon_config", "mcore_muon_train"]
 
@@ -27,22 +28,11 @@ __all__ = ["REQUIRE_PEERS", "import_peer", "mcore_muon_config", "mcore_muon_trai
 REQUIRE_PEERS = "MEGATRON_MUON_REQUIRE_PEERS"
 
 
-def _alias_typing_override() -> None:
-    """emerging_optimizers 0.3 uses ``typing.override`` (Python 3.12); on 3.11 alias
-    typing_extensions' (.ci/typing_override.pth does it for every process in CI)."""
-    if not hasattr(typing, "override"):
-        try:
-            import typing_extensions
-        except ImportError:
-            return
-        typing.override = typing_extensions.override
-
-
 def import_peer(module: str):
     """``module``, imported; skips the test if it is missing, unless ``REQUIRE_PEERS=1``."""
     import pytest
 
-    _alias_typing_override()
+    alias_typing_override()
     if os.environ.get(REQUIRE_PEERS) == "1":
         return importlib.import_module(module)  # ImportError: the test fails
     return pytest.importorskip(module, reason=f"{module} is not installed (set {REQUIRE_PEERS}=1 "
@@ -131,7 +121,7 @@ def mcore_muon_train(cfg: dict, tp: int = 1, steps: int = 3, opt: Optional[dict]
                      tp_mode: str = "duplicated") -> dict:
     """Train the tiny GPT ``steps`` steps with Megatron-Core's Muon (module docstring);
     returns losses, the (TP-gathered) parameters and the class of the Muon optimizer."""
-    _alias_typing_override()
+    alias_typing_override()
     import torch.distributed as dist
 
     from megatron_muon.testing.gpt import (TinyGPTConfig, full_named_params, init_parallel,
