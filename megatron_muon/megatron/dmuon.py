@@ -41,7 +41,7 @@ from megatron_muon.megatron.state_dict import AdamStateMixin, DMuonStateMixin, L
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DMuonDistributedOptimizer", "SubsetDistributedOptimizer", "LionSubsetDistributedOptimizer", "ShardedMuonStep", "DMuonView", "flat_offsets", "exchange_group", "sharded_matrices", "build_engine"]
+__all__ = ["DMuonDistributedOptimizer", "SubsetDistributedOptimizer", "LionSubsetDistributedOptimizer", "ShardedMuonStep", "DMuonView", "flat_offsets", "exchange_group", "sharded_matrices", "plan_matrices", "engine_for", "build_engine"]
 
 
 class _SubsetMixin:
@@ -576,12 +576,10 @@ def sharded_matrices(model_chunks, managed, held: dict, bucket_of: dict, groups,
     return matrices, group
 
 
-def build_engine(matrices, group, cfg, *, replicate: bool = False,
-                 local_numel: Optional[int] = None) -> tuple:
-    """``(engine, plan)``: the owner plan of ``matrices`` over ``group`` (checked identical on
-    every rank) and the ``OwnerCentricNS`` executor that runs it."""
-    world = dist.get_world_size(group) if group is not None else 1
-    cost = _unit_cost(cfg, [u.shape for m in matrices for u in m.units], group)
+def plan_matrices(matrices, world: int, cfg, cost, *, replicate: bool = False):
+    """The owner plan of ``matrices`` over a group of ``world`` ranks: pure (no
+    communication), so ``tools/bench_scale.py`` runs it for any rank of any layout.
+    ``cost``: the planner's cost of one unit by shape (``_unit_cost``)."""
     tasks = [UnitTask(m.unit_key(i), u.shape, cost(u.shape), 4 * u.numel)
              for m in matrices for i, u in enumerate(m.units)]
     holdings = {}
@@ -592,8 +590,28 @@ def build_engine(matrices, group, cfg, *, replicate: bool = False,
             for pc in m.pieces:  # proportional estimate for split (QKV, gate/up) units
                 held[pc.rank] += (pc.end - pc.start) * u.numel // total
             holdings[m.unit_key(i)] = held
-    plan = plan_owners(tasks, world, holdings=None if replicate else holdings,
+    return plan_owners(tasks, world, holdings=None if replicate else holdings,
                        locality_slack=cfg.dmuon_locality_slack)
+
+
+def engine_for(matrices, plan, group, cfg, *, replicate: bool = False,
+               local_numel: Optional[int] = None, check_exchange: bool = True) -> OwnerCentricNS:
+    """The ``OwnerCentricNS`` executor of ``plan`` on this rank of ``group``."""
+    return OwnerCentricNS(
+        matrices, plan, group, ns_steps=cfg.muon_num_ns_steps,
+        coefficients=cfg.muon_coefficient_type, scale_mode=cfg.muon_scale_mode,
+        extra_scale_factor=cfg.muon_extra_scale_factor, ns_dtype=ns_dtype(cfg),
+        device=compat.device(), replicate=replicate, ns_fn=compat.ns_function(cfg),
+        local_numel=local_numel, check_exchange=check_exchange)
+
+
+def build_engine(matrices, group, cfg, *, replicate: bool = False,
+                 local_numel: Optional[int] = None) -> tuple:
+    """``(engine, plan)``: the owner plan of ``matrices`` over ``group`` (checked identical on
+    every rank) and the ``OwnerCentricNS`` executor that runs it."""
+    world = dist.get_world_size(group) if group is not None else 1
+    cost = _unit_cost(cfg, [u.shape for m in matrices for u in m.units], group)
+    plan = plan_matrices(matrices, world, cfg, cost, replicate=replicate)
     digests = [plan.digest] * world
     if group is not None:
         dist.all_gather_object(digests, plan.digest, group=group)
@@ -603,12 +621,8 @@ def build_engine(matrices, group, cfg, *, replicate: bool = False,
                            "every rank)")
     if cfg.dmuon_log_plan and dist.get_rank() == 0:
         logger.info("DMuon %s\n%s", "naive (replicated)" if replicate else "", plan.summary())
-    engine = OwnerCentricNS(
-        matrices, plan, group, ns_steps=cfg.muon_num_ns_steps,
-        coefficients=cfg.muon_coefficient_type, scale_mode=cfg.muon_scale_mode,
-        extra_scale_factor=cfg.muon_extra_scale_factor, ns_dtype=ns_dtype(cfg),
-        device=compat.device(), replicate=replicate, ns_fn=compat.ns_function(cfg),
-        local_numel=local_numel)
+    engine = engine_for(matrices, plan, group, cfg, replicate=replicate,
+                        local_numel=local_numel)
     return engine, plan
 
 
