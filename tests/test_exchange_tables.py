@@ -7,7 +7,9 @@ import random
 import pytest
 
 from megatron_muon.core.flat_blocks import piece_unit_blocks
-from megatron_muon.core.units import Unit, expert_units, gate_up_units, qkv_units, whole_units
+from megatron_muon.core.units import (Unit, expert_units, extract_unit, gate_up_units, insert_unit,
+                                      long_axis, qkv_units, split_unit, unit_flat_indices,
+                                      whole_units)
 from megatron_muon.distributed.owner_centric import Piece, ShardedMatrix
 from megatron_muon.testing.exchange_oracle import oracle_blocks
 
@@ -87,6 +89,58 @@ def test_random_geometries_equal_the_element_wise_tables(kind):
         mat = ShardedMatrix(f"{kind}{trial}", shape, units, tp_dim, tp_size,
                             pieces_cut_anywhere(rng, local, tp_size, rng.randrange(0, 6)))
         check(mat)
+
+
+def random_widths(rng, length: int) -> list:
+    """``length`` cut into 1..4 positive widths at random places."""
+    cuts = sorted(rng.sample(range(1, length), min(length - 1, rng.randrange(0, 4))))
+    return [b - a for a, b in zip([0, *cuts], [*cuts, length])]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_parts_of_split_units_equal_the_element_wise_tables(kind):
+    """The parts of units whose Newton-Schulz is split across ranks (``split_unit``: ranges
+    of the long side, along the unit's own blocks or across them) by arithmetic, against
+    the oracle, on the same random geometries."""
+    rng = random.Random(100 + KINDS.index(kind))
+    for trial in range(40):
+        shape, units, tp_dim, tp = geometry(rng, kind)
+        parts = tuple(p for u in units
+                      for p in split_unit(u, random_widths(rng, u.shape[long_axis(u.shape)])))
+        tp_size = 1 if tp_dim is None else tp
+        local = shape[0] * shape[1] // tp_size
+        mat = ShardedMatrix(f"{kind}{trial}", shape, parts, tp_dim, tp_size,
+                            pieces_cut_anywhere(rng, local, tp_size, rng.randrange(0, 6)))
+        check(mat)
+
+
+def test_split_unit_parts_tile_the_unit_along_its_long_side():
+    """Parts are consecutive ranges of the unit's long side (rows of a tall unit, else
+    columns) with the whole short side: concatenated they are the unit, and extract /
+    insert / flat indices agree on each."""
+    import torch
+    rng = random.Random(7)
+    for units in (qkv_units((24, 5), 2, 2, 3), gate_up_units((12, 5)), whole_units((5, 9)),
+                  whole_units((9, 5)), expert_units((6, 8), 2, 1),
+                  [Unit((6, 8), 1, ((0, 2), (4, 2)))]):
+        for u in units:
+            param = torch.randn(u.param_shape)
+            axis = long_axis(u.shape)
+            widths = random_widths(rng, u.shape[axis])
+            parts = split_unit(u, widths)
+            assert [p.shape[axis] for p in parts] == widths
+            assert all(p.shape[1 - axis] == u.shape[1 - axis] for p in parts)
+            whole = extract_unit(param, u)
+            assert torch.equal(torch.cat([extract_unit(param, p) for p in parts], axis), whole)
+            for p in parts:
+                assert torch.equal(param.reshape(-1)[unit_flat_indices(p)],
+                                   extract_unit(param, p).reshape(-1))
+                out = torch.zeros_like(param)
+                insert_unit(out, p, extract_unit(param, p))
+                assert torch.equal(out.reshape(-1)[unit_flat_indices(p)],
+                                   extract_unit(param, p).reshape(-1))
+    with pytest.raises(ValueError, match="do not tile"):
+        split_unit(whole_units((4, 6))[0], [2, 2])
 
 
 def test_column_units_with_several_blocks():

@@ -77,8 +77,19 @@ def piece_unit_blocks(shape: tuple, tp_dim, tp_size: int, tp_rank: int, start: i
     width = sum(lengths)  # the unit's columns, for a column unit
     unit_starts = [sum(lengths[:i]) for i in range(len(lengths))]
     out = []
+    x0, xl = unit.cross_range()  # the unit's range along the other dimension
     for _, (r0, c0), (h, w) in flat_range_blocks((ml, nl), start, end):
         R0, C0 = r0 + roff, c0 + coff  # in the full matrix
+        if unit.dim == 0:  # restrict the rectangle's columns to the unit's cross range
+            c_lo, c_hi = max(C0, x0), min(C0 + w, x0 + xl)
+            if c_lo >= c_hi:
+                continue
+            c0, C0, w = c0 + c_lo - C0, c_lo, c_hi - c_lo
+        else:  # ... or its rows
+            r_lo, r_hi = max(R0, x0), min(R0 + h, x0 + xl)
+            if r_lo >= r_hi:
+                continue
+            r0, R0, h = r0 + r_lo - R0, r_lo, r_hi - r_lo
         for (s, l), u0 in zip(unit.blocks, unit_starts):
             lo, hi = ((max(R0, s), min(R0 + h, s + l)) if unit.dim == 0
                       else (max(C0, s), min(C0 + w, s + l)))
@@ -86,11 +97,11 @@ def piece_unit_blocks(shape: tuple, tp_dim, tp_size: int, tp_rank: int, start: i
                 continue
             if unit.dim == 0:
                 a = (lo - roff) * nl + c0
-                b = (u0 + lo - s) * n + C0
-                block = [a, b, hi - lo, w, nl, n]
+                b = (u0 + lo - s) * xl + C0 - x0
+                block = [a, b, hi - lo, w, nl, xl]
             else:
                 a = r0 * nl + lo - coff
-                b = R0 * width + u0 + lo - s
+                b = (R0 - x0) * width + u0 + lo - s
                 block = [a, b, h, hi - lo, nl, width]
             block[0] += local_offset - start
             out.append(block)

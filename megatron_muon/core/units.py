@@ -1,7 +1,8 @@
 """Units: the matrices Newton-Schulz works on, as slices of (TP-unsharded) 2-D parameters.
 
 A unit is a set of row blocks (``dim=0``) or column blocks (``dim=1``) of a parameter,
-concatenated in order.  Megatron's fused ``linear_qkv`` interleaves its rows per query
+concatenated in order, optionally restricted to one range of the other dimension
+(``cross``: a *part* of a unit whose Newton-Schulz is split across ranks, ``split_unit``).  Megatron's fused ``linear_qkv`` interleaves its rows per query
 group as [q_group, k, v] x num_query_groups; its Q, K and V units each gather one block
 per group.  MoE experts stored side by side are one unit each; a SwiGLU ``linear_fc1``
 ([gate; up] stacked on rows) may be split into two units.
@@ -12,7 +13,7 @@ Pure index maths: nothing here knows about Megatron or torch.distributed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -26,6 +27,8 @@ __all__ = [
     "insert_unit",
     "unit_flat_indices",
     "shard_units",
+    "long_axis",
+    "split_unit",
 ]
 
 
@@ -37,12 +40,19 @@ class Unit:
     dim: int  # 0: blocks of rows, 1: blocks of columns
     blocks: tuple[tuple[int, int], ...]  # (start, length) along ``dim``
     name: str = ""
+    cross: Optional[tuple[int, int]] = None  # (start, length) along the other dim; None: all
 
     @property
     def shape(self) -> tuple[int, int]:
         length = sum(l for _, l in self.blocks)
         m, n = self.param_shape
+        if self.cross is not None:
+            m, n = (m, self.cross[1]) if self.dim == 0 else (self.cross[1], n)
         return (length, n) if self.dim == 0 else (m, length)
+
+    def cross_range(self) -> tuple[int, int]:
+        """``(start, length)`` of the unit along the other dimension than ``dim``."""
+        return self.cross if self.cross is not None else (0, self.param_shape[1 - self.dim])
 
     @property
     def numel(self) -> int:
@@ -107,23 +117,62 @@ def unit_flat_indices(unit: Unit) -> torch.Tensor:
     """Flat (row-major) indices into the parameter of every unit element, in unit order."""
     m, n = unit.param_shape
     pos = _positions(unit)
+    c0, cl = unit.cross_range()
+    other = torch.arange(c0, c0 + cl)
     if unit.dim == 0:
-        return (pos[:, None] * n + torch.arange(n)[None, :]).reshape(-1)
-    return (torch.arange(m)[:, None] * n + pos[None, :]).reshape(-1)
+        return (pos[:, None] * n + other[None, :]).reshape(-1)
+    return (other[:, None] * n + pos[None, :]).reshape(-1)
+
+
+def _cross(t: torch.Tensor, unit: Unit) -> torch.Tensor:
+    return t if unit.cross is None else t.narrow(1 - unit.dim, *unit.cross)
 
 
 def extract_unit(param: torch.Tensor, unit: Unit) -> torch.Tensor:
     if len(unit.blocks) == 1:
         s, l = unit.blocks[0]
-        return param.narrow(unit.dim, s, l)
-    return torch.cat([param.narrow(unit.dim, s, l) for s, l in unit.blocks], dim=unit.dim)
+        return _cross(param.narrow(unit.dim, s, l), unit)
+    return torch.cat([_cross(param.narrow(unit.dim, s, l), unit) for s, l in unit.blocks],
+                     dim=unit.dim)
 
 
 def insert_unit(param: torch.Tensor, unit: Unit, value: torch.Tensor) -> None:
     offset = 0
     for s, l in unit.blocks:
-        param.narrow(unit.dim, s, l).copy_(value.narrow(unit.dim, offset, l))
+        _cross(param.narrow(unit.dim, s, l), unit).copy_(value.narrow(unit.dim, offset, l))
         offset += l
+
+
+def long_axis(shape: Sequence[int]) -> int:
+    """The axis of a unit of ``shape`` that Newton-Schulz does not contract: rows for a tall
+    matrix (NS works on its transpose), else columns (``newton_schulz``'s orientation)."""
+    return 0 if shape[0] > shape[1] else 1
+
+
+def split_unit(unit: Unit, widths: Sequence[int]) -> list[Unit]:
+    """``unit`` cut along its long side (``long_axis``) into consecutive parts of ``widths``
+    (summing to the long side): each part keeps the whole short side, so that
+    ``X X^T`` of the unit is the sum of its parts' (the split Newton-Schulz)."""
+    axis = long_axis(unit.shape)
+    if sum(widths) != unit.shape[axis] or any(w <= 0 for w in widths):
+        raise ValueError(f"part widths {list(widths)} do not tile the long side "
+                         f"{unit.shape[axis]} of a unit of shape {unit.shape}")
+    parts, lo = [], 0
+    for j, w in enumerate(widths):
+        name = f"{unit.name}/{j}"
+        if axis == unit.dim:  # a sub-range of the concatenated blocks
+            blocks, pos = [], 0
+            for s, l in unit.blocks:
+                a, b = max(lo, pos), min(lo + w, pos + l)
+                if a < b:
+                    blocks.append((s + a - pos, b - a))
+                pos += l
+            parts.append(Unit(unit.param_shape, unit.dim, tuple(blocks), name, unit.cross))
+        else:  # a range of the other dimension
+            c0, _ = unit.cross_range()
+            parts.append(Unit(unit.param_shape, unit.dim, unit.blocks, name, (c0 + lo, w)))
+        lo += w
+    return parts
 
 
 def shard_units(units: Sequence[Unit], dim: int, shard_blocks: Sequence[Sequence[tuple[int, int]]]

@@ -50,10 +50,13 @@ def unit_positions(unit, full_flat: torch.Tensor) -> torch.Tensor:
     offset = along - starts[b]
     valid &= offset < lengths[b]
     k = unit_start[b] + offset  # row (dim 0) or column (dim 1) inside the unit
+    x0, xl = unit.cross_range()  # a part of a split unit: one range of the other dimension
+    across = (c if unit.dim == 0 else r) - x0
+    valid &= (across >= 0) & (across < xl)
     if unit.dim == 0:
-        pos = k * n + c
+        pos = k * xl + across
     else:
-        pos = r * int(lengths.sum()) + k
+        pos = across * int(lengths.sum()) + k
     return torch.where(valid, pos, torch.full_like(pos, -1))
 
 
