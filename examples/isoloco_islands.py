@@ -193,11 +193,11 @@ def run_method(args, method: str, train, valid) -> dict:
     import torch.distributed as dist
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_muon.megatron.factory import get_megatron_optimizer
     from megatron_muon.islands.runtime import (IslandOuterStep, destroy_islands,
                                                 initialize_islands)
-    from megatron_muon.testing.gpt import TinyGPTConfig, build_gpt
-    from megatron_muon.testing.workers import make_optimizer_config
+    from megatron_muon.megatron.config import make_optimizer_config
+    from megatron_muon.megatron.factory import get_megatron_optimizer
+    from megatron_muon.megatron.models import TinyGPTConfig, build_gpt
 
     world = dist.get_world_size()
     K = 1 if method == "adam" else world  # adam: one island of DP = world

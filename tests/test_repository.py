@@ -79,8 +79,40 @@ def test_library_code_does_not_import_the_test_harness():
             continue
         bad = {n for n in _imports(path) if n.startswith("megatron_muon.testing")}
         assert not bad, (path, bad)
-    for path in (REPO / "examples").glob("pretrain_gpt.py"):
-        assert not {n for n in _imports(path) if n.startswith("megatron_muon.testing")}, path
+
+
+def _harness_imports(path: pathlib.Path) -> set:
+    """What ``path`` imports of ``megatron_muon.testing``, however it is spelled:
+    ``import megatron_muon.testing.x``, ``from megatron_muon.testing.x import y``,
+    ``from megatron_muon import testing`` or ``importlib.import_module("megatron_muon.testing...")``
+    (also inside a function)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and getattr(node.func, "attr", getattr(node.func, "id", None)) in (
+                    "import_module", "__import__"):
+            names.add(str(node.args[0].value))
+    return {n for n in names
+            if n == "megatron_muon.testing" or n.startswith("megatron_muon.testing.")}
+
+
+def test_examples_stand_alone_without_the_test_harness():
+    """An example is what a user copies: it builds its model and optimizer from the library
+    (``megatron_muon.megatron.models``, ``.config``), never from ``megatron_muon.testing``."""
+    examples = sorted(p for p in (REPO / "examples").rglob("*")
+                      if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc")
+    assert any(p.suffix == ".py" for p in examples)
+    for path in examples:
+        if path.suffix == ".py":
+            bad = _harness_imports(path)
+        else:  # launch scripts: no ``python -m megatron_muon.testing...`` either
+            bad = set(re.findall(r"megatron_muon\.testing[\w.]*", path.read_text(errors="replace")))
+        assert not bad, (str(path.relative_to(REPO)), sorted(bad))
 
 
 def _module_graph() -> dict:

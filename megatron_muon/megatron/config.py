@@ -39,7 +39,7 @@ from megatron_muon.core.newton_schulz import COEFFICIENT_SETS, SCALE_MODES, reso
 __all__ = ["DMuonOptimizerConfig", "MUON_OPTIMIZERS", "NS_PRECISIONS", "PLACEMENTS", "TP_MODES",
            "OVERLAP_MODES", "setting", "cli_fields", "flag_of", "choices_of", "resolve_overlap",
            "check_dmuon_settings", "check_muon_setup", "SCALAR_OPTIMIZERS", "MEGATRON_TP_MODES",
-           "resolve_tp_mode", "resolve_moment2"]
+           "resolve_tp_mode", "resolve_moment2", "make_optimizer_config"]
 
 MuonOptimizer = Literal["dmuon", "muon_naive"]
 # The names come from newton_schulz (the maths owns the tables); Literal takes a tuple.
@@ -578,3 +578,15 @@ def config_defaults() -> dict:
     """Field name -> default of every ``DMuonOptimizerConfig`` field that has one."""
     return {f.name: f.default for f in fields(DMuonOptimizerConfig)
             if f.default is not dataclasses.MISSING}
+
+
+def make_optimizer_config(optimizer: str, **overrides) -> DMuonOptimizerConfig:
+    """A ``DMuonOptimizerConfig`` with small-model defaults (lr = min_lr = 1e-3, weight decay
+    0.01, Adam betas 0.9 / 0.95, eps 1e-8, no clipping, the distributed optimizer, fp32);
+    ``overrides`` replace any of them or set other fields.  With ``optimizer='adam'`` /
+    ``'sgd'`` it is a plain Megatron optimizer.  The examples and the tests build their
+    optimizers from it."""
+    base = dict(lr=1e-3, min_lr=1e-3, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95,
+                adam_eps=1e-8, clip_grad=0.0, use_distributed_optimizer=True, bf16=False)
+    base.update(overrides)
+    return DMuonOptimizerConfig(optimizer=optimizer, **base)

@@ -4,20 +4,24 @@ Deterministic: weights come from ``use_cpu_initialization`` (the same full matri
 every TP size) and the data of step ``s`` is a fixed global batch of
 ``dp * num_microbatches`` microbatches, of which DP rank ``d`` takes its contiguous share.
 A single-process reference that takes all of them sees exactly the same mean gradient.
+``TinyGPTConfig``, ``build_gpt`` (with ``transformer_config`` and ``layout_invariant_init``),
 ``init_parallel``, ``wire_ddp_hooks`` and ``global_param_name`` come from the library
-(``megatron_muon.megatron.models``) and are re-exported here.
+(``megatron_muon.megatron.models``; the examples build the same model) and are re-exported
+here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_muon.megatron.models import global_param_name, init_parallel, wire_ddp_hooks
+from megatron_muon.megatron.models import (TinyGPTConfig, _from_tp_order, build_gpt,
+                                           global_param_name, init_parallel,
+                                           layout_invariant_init, transformer_config,
+                                           wire_ddp_hooks)
 
 __all__ = [
     "TinyGPTConfig",
@@ -27,164 +31,11 @@ __all__ = [
     "train_step",
     "full_named_params",
     "layout_ranks",
+    "transformer_config",
+    "layout_invariant_init",
+    "wire_ddp_hooks",
+    "global_param_name",
 ]
-
-
-@dataclass
-class TinyGPTConfig:
-    num_layers: int = 4
-    hidden_size: int = 64
-    ffn_hidden_size: int = 128
-    num_attention_heads: int = 4
-    num_query_groups: Optional[int] = 2
-    vocab_size: int = 128
-    seq_length: int = 16
-    micro_batch_size: int = 2
-    num_microbatches: int = 2
-    swiglu: bool = False
-    add_bias_linear: bool = False
-    bf16: bool = False
-    fp16: bool = False
-    num_moe_experts: Optional[int] = None
-    tie_embeddings: bool = False  # share the embedding with the output layer (PP = 1 only)
-    seed: int = 1234
-    data_seed: int = 42
-    extra: dict = field(default_factory=dict)  # more TransformerConfig fields
-
-
-def _dtype(cfg: TinyGPTConfig) -> torch.dtype:
-    if cfg.bf16 and cfg.fp16:
-        raise ValueError("choose at most one of bf16 and fp16")
-    return torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
-
-
-def transformer_config(cfg: TinyGPTConfig):
-    from megatron.core import parallel_state
-    from megatron.core.transformer import TransformerConfig
-
-    from megatron_muon.megatron.cpu_mode import cpu_transformer_config
-
-    kwargs = dict(
-        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-        ffn_hidden_size=cfg.ffn_hidden_size, num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_query_groups, use_cpu_initialization=True,
-        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        pipeline_dtype=_dtype(cfg), params_dtype=_dtype(cfg), bf16=cfg.bf16, fp16=cfg.fp16,
-        add_bias_linear=cfg.add_bias_linear, gated_linear_unit=cfg.swiglu,
-        hidden_dropout=0.0, attention_dropout=0.0, num_moe_experts=cfg.num_moe_experts,
-        gradient_accumulation_fusion=False,
-    )
-    kwargs.update(cpu_transformer_config())
-    if cfg.swiglu:
-        kwargs["activation_func"] = torch.nn.functional.silu
-    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    if vpp:
-        kwargs["virtual_pipeline_model_parallel_size"] = vpp
-    if cfg.num_moe_experts:
-        kwargs.update(moe_router_topk=1, moe_router_pre_softmax=True,
-                      moe_token_dispatcher_type="alltoall",
-                      moe_aux_loss_coeff=0.0,
-                      expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size())
-    kwargs.update(cfg.extra)
-    return TransformerConfig(**kwargs)
-
-
-def build_gpt(cfg: TinyGPTConfig, *, wrap_ddp: bool = True, ddp_config=None,
-              layer_spec=None, placement=None) -> list:
-    """GPTModel chunks for this rank's pipeline stage(s), optionally wrapped in Megatron DDP.
-
-    ``placement``: a ``megatron_muon.megatron.matrix_placement.MatrixPlacement`` that builds
-    the DDP models (its ``ddp(...)``).
-    """
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    tcfg = transformer_config(cfg)
-    spec = layer_spec or get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts)
-    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
-    chunks = []
-    for v in range(vpp):
-        kw = {}
-        if vpp > 1:
-            kw["vp_stage"] = v
-        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, **kw) if vpp > 1 \
-            else parallel_state.is_pipeline_first_stage()
-        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, **kw) if vpp > 1 \
-            else parallel_state.is_pipeline_last_stage()
-        model = GPTModel(config=tcfg, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
-                         max_sequence_length=cfg.seq_length, pre_process=pre, post_process=post,
-                         share_embeddings_and_output_weights=cfg.tie_embeddings,
-                         position_embedding_type="rope", **kw)
-        layout_invariant_init(model, cfg)
-        if cfg.bf16 or cfg.fp16:
-            model = model.to(_dtype(cfg))
-        chunks.append(model)
-    if not wrap_ddp:
-        return chunks
-    ddp_config = ddp_config or DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=False, bucket_size=None,
-        grad_reduce_in_fp32=True)
-    build = placement.ddp if placement is not None else DistributedDataParallel
-    wrapped = [build(config=tcfg, ddp_config=ddp_config, module=model, disable_bucketing=i > 0)
-               for i, model in enumerate(chunks)]
-    wire_ddp_hooks(tcfg, wrapped, ddp_config)
-    return wrapped
-
-
-def _gated_fc1(name: str, model) -> bool:
-    from megatron.core.utils import unwrap_model
-
-    return (name.endswith("linear_fc1.weight")
-            and bool(unwrap_model(model).config.gated_linear_unit))
-
-
-def _to_tp_order(name, model, full: torch.Tensor, tp: int) -> torch.Tensor:
-    """TP1 layout -> concatenation of TP shards (differs only for a gated fc1: [g;u] -> [g_t;u_t]...)."""
-    if tp == 1 or not _gated_fc1(name, model):
-        return full
-    g, u = full.chunk(2, dim=0)
-    return torch.cat([torch.cat([gt, ut]) for gt, ut in zip(g.chunk(tp), u.chunk(tp))])
-
-
-def _from_tp_order(name, model, cat: torch.Tensor, tp: int) -> torch.Tensor:
-    if tp == 1 or not _gated_fc1(name, model):
-        return cat
-    parts = [p.chunk(2, dim=0) for p in cat.chunk(tp)]
-    return torch.cat([torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])])
-
-
-@torch.no_grad()
-def layout_invariant_init(model, cfg: TinyGPTConfig) -> None:
-    """Re-initialise every parameter from a generator seeded by its *global* name.
-
-    Megatron's CPU initialisation draws layers in order, so a pipeline stage that starts at
-    layer 2 gets other weights than a single-stage model; seeding per global name makes
-    the initial model identical for every TP/PP layout.
-    """
-    import zlib
-
-    from megatron.core import parallel_state as ps
-
-    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    for name, p in model.named_parameters():
-        gname = global_param_name(model, name)
-        shape = list(p.shape)
-        dim = int(p.partition_dim) if getattr(p, "tensor_model_parallel", False) else None
-        if dim is not None:
-            shape[dim] *= tp
-        gen = torch.Generator().manual_seed(cfg.seed * 7919 + zlib.crc32(gname.encode()))
-        if name.endswith("bias"):
-            full = torch.zeros(shape)
-        elif p.ndim == 1:
-            full = torch.ones(shape)
-        else:
-            full = torch.randn(shape, generator=gen) * 0.02
-        if dim is not None:
-            full = _to_tp_order(name, model, full, tp).chunk(tp, dim=dim)[tp_rank]
-        p.copy_(full.to(p.dtype))
 
 
 def global_batch(cfg: TinyGPTConfig, step: int, index: int) -> dict:

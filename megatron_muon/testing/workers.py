@@ -1,4 +1,7 @@
-"""Per-rank entry points that tests, benchmarks and examples launch with ``run_ranks``."""
+"""Per-rank entry points that tests, benchmarks and examples launch with ``run_ranks``.
+
+``make_optimizer_config`` comes from the library (``megatron_muon.megatron.config``) and is
+re-exported here."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from megatron_muon.megatron.config import make_optimizer_config
 from megatron_muon.testing.gpt import (TinyGPTConfig, build_gpt, full_named_params, global_param_name, init_parallel,
                   layout_ranks, train_step)
 
@@ -21,16 +25,6 @@ def constant_scheduler(optimizer, ocfg):
                                    lr_decay_style="constant", start_wd=ocfg.weight_decay,
                                    end_wd=ocfg.weight_decay, wd_incr_steps=10**6,
                                    wd_incr_style="constant")
-
-
-def make_optimizer_config(optimizer: str, **overrides):
-    """A DMuonOptimizerConfig; with optimizer='adam'/'sgd' it is plain Megatron."""
-    from megatron_muon.megatron.config import DMuonOptimizerConfig
-
-    base = dict(lr=1e-3, min_lr=1e-3, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95,
-                adam_eps=1e-8, clip_grad=0.0, use_distributed_optimizer=True, bf16=False)
-    base.update(overrides)
-    return DMuonOptimizerConfig(optimizer=optimizer, **base)
 
 
 def _poison_grads(model):
