@@ -36,12 +36,16 @@ class SplitPolicy:
     Costs are flops.  ``flops_per_byte``: how many NS flops a rank does in the time its
     group moves one byte of the split's all-reduce (compute rate / all-reduce bandwidth per
     rank): the price of splitting.  ``parts``: split every unit whose long side allows it
-    into exactly this many parts, whatever it costs (tests and experiments)."""
+    into exactly this many parts, whatever it costs (tests and experiments).  ``ay``: whether
+    form 'ay' may be used (fp32 NS only: in bf16 its two rounded products, A X and A (A X),
+    with the large cancelling quintic coefficients, were measured 3-5x further from fp32 NS
+    than bf16 NS itself, where form 'b' matches bf16 NS)."""
 
     steps: int
     flops_per_byte: float = 2500.0
     max_parts: int = 64
     parts: Optional[int] = None
+    ay: bool = True
 
 
 @dataclass(frozen=True)
@@ -134,16 +138,16 @@ def split_bytes(shape: tuple[int, int], k: int, steps: int) -> float:
 
 
 def split_costs(shape: tuple[int, int], widths: Sequence[int], steps: int,
-                flops_per_byte: float) -> tuple[str, list[float], float]:
+                flops_per_byte: float, ay: bool = True) -> tuple[str, list[float], float]:
     """``(form, [flops of each part], all-reduce cost of a part)`` of NS on a unit of
     ``shape`` split into parts of ``widths`` along its long side; the all-reduce's bytes
     (``split_bytes``) are priced at ``flops_per_byte``.  Per step a part of width
     w computes X_j X_j^T (2 s^2 w), then either B = b A + c A^2 and B X_j (form 'b':
     2 s^3 + 2 s^2 w) or Y = A X_j and A Y (form 'ay': 4 s^2 w); the cheaper form for the
-    widest part is used (``ns_flops`` is form 'b' with one part)."""
+    widest part is used (``ns_flops`` is form 'b' with one part; ``ay=False``: always 'b')."""
     s = min(shape)
     wide = max(widths)
-    form = "ay" if 4 * s * s * wide < 2 * s**3 + 2 * s * s * wide else "b"
+    form = "ay" if ay and 4 * s * s * wide < 2 * s**3 + 2 * s * s * wide else "b"
     flops = [steps * ((6.0 * s * s * w) if form == "ay" else (4.0 * s * s * w + 2.0 * s**3))
              for w in widths]
     return form, flops, split_bytes(shape, len(widths), steps) * flops_per_byte
@@ -171,7 +175,7 @@ def _with_costs(tasks: Sequence[UnitTask], widths: dict, policy: SplitPolicy) ->
     for t in tasks:
         if t.key in widths:
             out[t.key + "#costs"] = split_costs(t.shape, widths[t.key], policy.steps,
-                                                policy.flops_per_byte)
+                                                policy.flops_per_byte, policy.ay)
     return out
 
 
@@ -217,7 +221,7 @@ def _choose_splits(tasks: Sequence[UnitTask], num_ranks: int, policy: SplitPolic
         if k == 1:
             return t.cost
         _, flops, comm = split_costs(t.shape, equal_widths(max(t.shape), k), policy.steps,
-                                     policy.flops_per_byte)
+                                     policy.flops_per_byte, policy.ay)
         return max(flops) + comm
 
     parts = {t.key: 1 for t in tasks}

@@ -34,7 +34,8 @@ from megatron_muon.core.newton_schulz import muon_scale, newton_schulz
 from megatron_muon.core.plan import OwnerPlan
 from megatron_muon.distributed.trace import span
 from megatron_muon.core.flat_blocks import piece_unit_blocks
-from megatron_muon.core.units import Unit
+from megatron_muon.core.units import Unit, split_unit
+from megatron_muon.distributed.split_ns import SplitNS
 
 __all__ = ["Piece", "ShardedMatrix", "OwnerCentricNS", "NS_BATCH_SHARE"]
 
@@ -117,6 +118,14 @@ class _Table:
         return (a, h, w, sa) if which == "a" else (b, h, w, sb)
 
 
+@dataclass(frozen=True)
+class _Counts:
+    """Send / receive element counts per peer of one all-to-all (``_check_exchange``)."""
+
+    send_counts: list
+    recv_counts: list
+
+
 class OwnerCentricNS:
     """Distributed "NS per unit on one owner" over a process group."""
 
@@ -138,14 +147,28 @@ class OwnerCentricNS:
         self.stats = CommStats()
         self.plan = plan
 
-        def owners_of(mat: ShardedMatrix, i: int) -> list[int]:
-            if replicate:
-                return list(range(self.world))
-            return [plan.owners[mat.unit_key(i)]]
+        splits = {} if replicate or plan is None else plan.splits
 
-        # Units this rank orthogonalises, grouped by shape so a batch is one view.
-        mine = [(mat, i, u) for mat in self.matrices for i, u in enumerate(mat.units)
-                if self.rank in owners_of(mat, i)]
+        def items_of(mat: ShardedMatrix) -> list:
+            """``[(key, unit, owners, whole)]``: what the exchange moves for ``mat``; a split
+            unit (``plan.splits``) is its parts, key ``unit key/j``, one owner each."""
+            out = []
+            for i, u in enumerate(mat.units):
+                key = mat.unit_key(i)
+                if key in splits:
+                    sp = splits[key]
+                    out.extend((f"{key}/{j}", part, [r], False) for j, (part, r) in
+                               enumerate(zip(split_unit(u, sp.widths), sp.ranks)))
+                else:
+                    out.append((key, u, list(range(self.world)) if replicate
+                                else [plan.owners[key]], True))
+            return out
+
+        items = {mat.key: items_of(mat) for mat in self.matrices}
+        # Units this rank orthogonalises whole, grouped by shape so a batch is one view; then
+        # its parts of split units (``split_ns.SplitNS``), in plan order.
+        mine = [(mat, key, u) for mat in self.matrices for key, u, o, whole in items[mat.key]
+                if whole and self.rank in o]
         mine.sort(key=lambda t: (t[2].shape, t[0].key, t[1]))
         if ns_batch_numel is None:  # default: a share of what this rank owns
             ns_batch_numel = sum(u.numel for _, _, u in mine) // NS_BATCH_SHARE
@@ -154,18 +177,24 @@ class OwnerCentricNS:
         self.batches: list[tuple[int, int, int, int]] = []  # (offset, count, m, n)
         self.batch_keys: list[list[str]] = []  # the unit keys of each batch, in order
         off = 0
-        for mat, i, u in mine:
-            self.unit_offset[mat.unit_key(i)] = off
+        for mat, key, u in mine:
+            self.unit_offset[key] = off
             m, n = u.shape
             if self.batches and self.batches[-1][2:] == (m, n) and \
                     (self.batches[-1][1] + 1) * m * n <= max(ns_batch_numel, m * n):
                 o, c, _, _ = self.batches[-1]
                 self.batches[-1] = (o, c + 1, m, n)
-                self.batch_keys[-1].append(mat.unit_key(i))
+                self.batch_keys[-1].append(key)
             else:
                 self.batches.append((off, 1, m, n))
-                self.batch_keys.append([mat.unit_key(i)])
+                self.batch_keys.append([key])
             off += m * n
+        shapes = {mat.unit_key(i): u.shape for mat in self.matrices
+                  for i, u in enumerate(mat.units)}
+        self.split = SplitNS(self, splits, shapes, off)
+        off += self.split.numel
+        for key, o in self.split.offsets.items():
+            self.unit_offset[key] = o
         self.owned_numel = off
         self.local_numel = local_numel if local_numel is not None else max(
             [p.local_offset + p.end - p.start for mat in self.matrices for p in mat.pieces
@@ -183,20 +212,18 @@ class OwnerCentricNS:
                                                      [], src="a", dst="b"))
             s = scatter.setdefault(mat.bucket, _Table([[] for _ in world], [[] for _ in world],
                                                       [], src="b", dst="a"))
-            unit_owners = [owners_of(mat, i) for i in range(len(mat.units))]
-            i_own_some = any(self.rank in o for o in unit_owners)
+            i_own_some = any(self.rank in o for _, _, o, _ in items[mat.key])
             for piece in mat.pieces:
                 if piece.rank != self.rank and not i_own_some:
                     continue
-                for i, unit in enumerate(mat.units):
-                    owners = unit_owners[i]
+                for key, unit, owners, _ in items[mat.key]:
                     if piece.rank != self.rank and self.rank not in owners:
                         continue
                     blocks = piece_unit_blocks(mat.shape, mat.tp_dim, mat.tp_size, piece.tp_rank,
                                                piece.start, piece.end, piece.local_offset, unit)
                     if not blocks:
                         continue
-                    base = self.unit_offset.get(mat.unit_key(i), 0)
+                    base = self.unit_offset.get(key, 0)
                     blocks = [(a, b + base, h, w, sa, sb) for a, b, h, w, sa, sb in blocks]
                     held = piece.rank == self.rank
                     for owner in owners:
@@ -237,8 +264,11 @@ class OwnerCentricNS:
     # ------------------------------------------------------------------ validation
     def _exchanges(self) -> list:
         """``[(kind, bucket key, table)]``: every all-to-all of a step, in the order it runs."""
+        split = [(f"{name} {'reduce-scatter' if half == 'rs' else 'all-gather'}", None,
+                  _Counts(*getattr(r, half)))
+                 for name, r in self.split.rounds() for half in ("rs", "ag")]
         return ([("gather", k, t) for k, t in self.gather_tables.items()]
-                + [("scatter", k, t) for k, t in self.scatter_tables.items()])
+                + [("scatter", k, t) for k, t in self.scatter_tables.items()] + split)
 
     def _check_exchange(self) -> None:
         """Once, at construction: every rank of the group runs the same all-to-alls (same
@@ -251,7 +281,8 @@ class OwnerCentricNS:
         the bucket."""
         if self.group is None or self.world == 1:
             return
-        names = [f"{kind} of bucket {key!r}" for kind, key, _ in self._exchanges()]
+        names = [kind if kind.startswith("split") else f"{kind} of bucket {key!r}"
+                 for kind, key, _ in self._exchanges()]
         self._check_buckets(names)
         tables = [t for _, _, t in self._exchanges()]
         send = torch.tensor([[t.send_counts[j] for t in tables] for j in range(self.world)],
@@ -376,20 +407,25 @@ class OwnerCentricNS:
         """
         if out is None:
             out = torch.empty_like(owned)
+        self.split.check(post)
         for (off, count, m, n), keys in zip(self.batches, self.batch_keys):
             x = owned[off: off + count * m * n].view(count, m, n)
             o = self.ns_fn(x, steps=self.ns_steps, coefficients=self.coefficients, eps=self.eps,
                            dtype=self.ns_dtype)
             if post is not None:
                 o = post(keys, o.float())
-            scale = muon_scale(m, n, self.scale_mode, self.extra_scale_factor)
-            dst = out[off: off + count * m * n].view(count, m, n)
-            if o.dtype == dst.dtype:  # one pass; the same fp32 multiply as copy + mul_
-                torch.mul(o, scale, out=dst)
-            else:  # round to fp32 first, then scale in fp32 (as the reference does)
-                dst.copy_(o).mul_(scale)
+            self._write(o, out[off: off + count * m * n].view(count, m, n), m, n)
             del x, o
+        self.split.run(owned, out, self._write)  # parts of split units (every rank takes part)
         return out
+
+    def _write(self, o: torch.Tensor, dst: torch.Tensor, m: int, n: int) -> None:
+        """NS output ``o`` of (units of shape) m x n, times the Muon scale, into ``dst``."""
+        scale = muon_scale(m, n, self.scale_mode, self.extra_scale_factor)
+        if o.dtype == dst.dtype:  # one pass; the same fp32 multiply as copy + mul_
+            torch.mul(o, scale, out=dst)
+        else:  # round to fp32 first, then scale in fp32 (as the reference does)
+            dst.copy_(o).mul_(scale)
 
     def scatter(self, result: torch.Tensor, bucket: Hashable, local_out: torch.Tensor,
                 async_op: bool = False):
