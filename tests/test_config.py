@@ -34,6 +34,14 @@ def cfg(**kw):
     (dict(dmuon_adam_params="(unclosed"), "dmuon_adam_params '\\(unclosed' is not a valid"),
     (dict(dmuon_zero3=True), "dmuon_zero3=True needs optimizer='dmuon' and dmuon_placement='matrix'"),
     (dict(dmuon_zero3=True, dmuon_placement="matrix", optimizer="muon_naive"), "dmuon_zero3"),
+    (dict(dmuon_split="sometimes"), "dmuon_split 'sometimes' is unknown; choose one of auto, off"),
+    (dict(dmuon_split_parts=1), "dmuon_split_parts must be an integer >= 2, got 1"),
+    (dict(dmuon_split_parts=2, dmuon_placement="matrix"),
+     "dmuon_split_parts=2 does not work with dmuon_placement='matrix'"),
+    (dict(dmuon_split_parts=2, dmuon_split="off"), "dmuon_split='off'"),
+    (dict(dmuon_split_parts=2, muon_ns_method="gram"), "muon_ns_method='gram'"),
+    (dict(dmuon_split_parts=2, dmuon_moment2="normuon"), "needs whole units"),
+    (dict(dmuon_split_flops_per_byte=0.0), "dmuon_split_flops_per_byte must be a finite"),
 ])
 def test_bad_config_values(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -146,6 +146,25 @@ def test_dmuon_equals_reference(layout):
     assert_matches(merged_params(plain_dmuon(layout)), reference(opt=WD_OPT))
 
 
+@pytest.mark.parametrize("layout,parts,overlap", [("dp4", 3, False), ("tp2dp2", 2, False),
+                                                  ("pp2dp2", 2, False), ("dp4", 2, True)])
+def test_split_units_equal_reference(layout, parts, overlap):
+    """Every unit's Newton-Schulz split across ``parts`` ranks of its stage's group
+    (``dmuon_split_parts``; form 'b' where a part is at least as wide as the short side, else
+    'ay') equals the reference, within MUON_ATOL: the split changes only the order of the
+    fp32 sums in X X^T (k partial GEMMs plus k - 1 adds, the same number of terms: within
+    the 2 K EPS32 of the momentum's order, K >= 128 > the long side here) and, in form 'ay',
+    reassociates B X, whose difference is of the same order (distributed/split_ns.py's own
+    tests measure 4e-6 on O(1) outputs, which the update scales by lr = 2e-3).  With the
+    overlap on, the speculation runs the split's all-to-alls inside the backward pass."""
+    opt = dict(WD_OPT, dmuon_split_parts=parts, dmuon_overlap="on" if overlap else "off")
+    res = train(layout, opt=opt, **(dict(ddp=dict(overlap_grad_reduce=True)) if overlap else {}))
+    if overlap:
+        assert all(r["dmuon_stats"]["overlap"]["speculated"] > 0 for r in res)
+    assert all(r["dmuon_stats"]["split_parts"] > 0 for r in res)  # every rank has parts
+    assert_matches(merged_params(res), reference(opt=WD_OPT))
+
+
 def test_gram_newton_schulz_equals_the_gram_reference():
     """``muon_ns_method='gram'``: DMuon at TP2 x DP2 (batched Gram NS on the owners) equals
     the single-process reference Muon with Gram NS, within the same derived tolerance

@@ -104,3 +104,22 @@ def test_planner_splits_only_where_it_pays():
     assert not plan_owners(big, 64, split=SplitPolicy(5)).splits
     with pytest.raises(ValueError, match="parts"):
         plan_owners(tiny, 2, split=SplitPolicy(5, parts=3))
+
+
+def test_dmuon_splits_only_where_the_split_describes_the_step():
+    """``dmuon_split='auto'`` plans splits for plain Muon with standard NS in flops; matrix
+    placement, a second moment, Gram NS and tuner costs never split (their units stay
+    whole), and bf16 NS never uses form 'ay'."""
+    from megatron_muon.megatron.config import make_optimizer_config
+    from megatron_muon.megatron.dmuon import split_policy
+
+    def policy(**kw):
+        return split_policy(make_optimizer_config("dmuon", **kw))
+
+    assert policy(muon_fp32_matmul_prec="highest").ay
+    assert not policy().ay  # the default, bf16 NS
+    assert policy(dmuon_split_parts=3).parts == 3
+    for kw in (dict(dmuon_split="off"), dict(dmuon_placement="matrix"),
+               dict(dmuon_moment2="normuon"), dict(muon_ns_method="gram"),
+               dict(dmuon_plan_cost="tuner")):
+        assert policy(**kw) is None, kw

@@ -52,6 +52,7 @@ NSBackend = Literal["auto", "torch", "triton"]
 Placement = Literal["dmuon", "matrix"]
 TPMode = Literal["exact", "blockwise"]
 OverlapMode = Literal["auto", "on", "off"]
+SplitMode = Literal["auto", "off"]
 ScalarOptimizer = Literal["adam", "lion"]
 MegatronTPMode = Literal["duplicated", "distributed", "blockwise"]
 Moment2Method = Literal[MOMENT2_METHODS]
@@ -142,6 +143,18 @@ class DMuonOptimizerConfig(OptimizerConfig):
         0.03, "Owner plan: a unit goes to the rank holding most of it while that rank stays "
         "within (1 + slack) x the mean Newton-Schulz load; 0 still prefers local owners among "
         "equally loaded ranks.")
+    dmuon_split: SplitMode = setting(
+        "auto", "Split the Newton-Schulz of units that cost more than the stage's group can "
+        "balance across several of its ranks (one all-reduce of the s x s Gram matrix per NS "
+        "step; docs/design.md#split-ns): auto (the planner splits where it pays; plain Muon, "
+        "standard NS, flops plan cost and --dmuon-placement dmuon only) or off.")
+    dmuon_split_parts: Optional[int] = setting(
+        None, "Split every unit into exactly this many parts (2 .. the group's ranks), "
+        "whatever it costs: for tests and experiments.", metavar="K")
+    dmuon_split_flops_per_byte: float = setting(
+        2500.0, "The planner's price of the split all-reduce: Newton-Schulz flops a rank does "
+        "in the time it moves one byte of it (about an H100's bf16 rate over NVLink's "
+        "bandwidth; raise it where a stage's group spans nodes).")
     dmuon_log_plan: bool = setting(
         True, "Log the owner plan when the optimizer is built.",
         aliases={"--dmuon-no-log-plan": False})
@@ -416,6 +429,25 @@ def check_dmuon_settings(get: Callable[[str], Any], *, cli: bool,
     if isinstance(slack, bool) or not isinstance(slack, (int, float)) or \
             not math.isfinite(slack) or slack < 0:
         fail(f"{N('dmuon_locality_slack')} must be a finite number >= 0, got {slack}")
+    price = get("dmuon_split_flops_per_byte")
+    if isinstance(price, bool) or not isinstance(price, (int, float)) or \
+            not math.isfinite(price) or price <= 0:
+        fail(f"{N('dmuon_split_flops_per_byte')} must be a finite number > 0, got {price}")
+    parts = get("dmuon_split_parts")
+    if parts is not None:
+        if isinstance(parts, bool) or not isinstance(parts, int) or parts < 2:
+            fail(f"{N('dmuon_split_parts')} must be an integer >= 2, got {parts!r}")
+        for name, bad, why in (
+                ("dmuon_split", "off", "it turns splitting off"),
+                ("dmuon_placement", "matrix", "matrix placement keeps every unit on one rank"),
+                ("muon_ns_method", "gram", "the split runs standard Newton-Schulz"),
+                ("dmuon_plan_cost", "tuner", "the split is planned in flops")):
+            if get(name) == bad:
+                fail(f"{s.set('dmuon_split_parts', parts)} does not work with "
+                     f"{s.set(name, bad)}: {why}")
+        if moment2 is not None:
+            fail(f"{s.set('dmuon_split_parts', parts)} does not work with "
+                 f"{s.set('dmuon_moment2', moment2)}: the owners' second moment needs whole units")
     regex = get("dmuon_adam_params")
     if regex is not None:
         try:

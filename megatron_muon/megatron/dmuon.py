@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from types import MappingProxyType, SimpleNamespace
+from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -33,10 +33,11 @@ from megatron_muon.core.moment2 import (moment2_expand, moment2_init, moment2_no
                                         moment2_reduce)
 from megatron_muon.core.muon import decoupled_update, decoupled_update_, momentum_update_
 from megatron_muon.distributed.comm import failed_ranks
-from megatron_muon.distributed.owner_centric import OwnerCentricNS, Piece, ShardedMatrix
-from megatron_muon.core.plan import UnitTask, flops_cost, plan_owners
+from megatron_muon.distributed.owner_centric import OwnerCentricNS
+from megatron_muon.core.plan import SplitPolicy, UnitTask, flops_cost, plan_owners
 from megatron_muon.megatron import compat
-from megatron_muon.megatron.params import full_shape, muon_units, tp_partition_dim
+from megatron_muon.megatron.geometry import MuonParam, matrices_from_slices, slice_info
+from megatron_muon.megatron.params import tp_partition_dim
 from megatron_muon.megatron.state_dict import AdamStateMixin, DMuonStateMixin, LionStateMixin
 
 logger = logging.getLogger(__name__)
@@ -490,7 +491,8 @@ class DMuonDistributedOptimizer(DMuonStateMixin, _SubsetMixin, DistributedOptimi
         return dict(comm=eng.stats.as_dict(), plan_imbalance=self.plan.imbalance,
                     plan_digest=self.plan.digest, owned_numel=eng.owned_numel,
                     shard_numel=self.optimizer.numel, state_bytes=state_bytes,
-                    index_bytes=eng.index_bytes(),
+                    index_bytes=eng.index_bytes(), split_parts=len(eng.split.parts),
+                    split_units=len(self.plan.splits),
                     muon_numel=sum(m.shape[0] * m.shape[1] for m in eng.matrices),
                     overlap=overlap.stats.as_dict() if overlap is not None else None)
 
@@ -519,60 +521,28 @@ def sharded_matrices(model_chunks, managed, held: dict, bucket_of: dict, groups,
 
     ``managed``: the Muon parameters; ``held``: {param: (start, end, local offset)} of the
     slices this rank holds; ``bucket_of``: {param: bucket key}. One ``all_gather_object``
-    over the exchange group collects every rank's slices.
+    over the exchange group collects every rank's slices; ``geometry.matrices_from_slices``
+    (which ``tools/bench_scale.py`` runs on emulated slices) turns them into matrices.
     """
     group, tp_size, tp_rank = exchange_group(groups, cfg, expert)
-    matrix = cfg.dmuon_placement == "matrix"
-    model_config = model_chunks[0].config
-    blockwise = cfg.dmuon_tp_mode == "blockwise" and not expert
-    if blockwise:  # the attention geometry of one TP shard
-        real_tp = groups.tp_size
-        heads = model_config.num_attention_heads
-        model_config = SimpleNamespace(
-            num_attention_heads=heads // real_tp,
-            num_query_groups=(model_config.num_query_groups or heads) // real_tp,
-            kv_channels=model_config.kv_channels or model_config.hidden_size // heads,
-            hidden_size=model_config.hidden_size,
-            gated_linear_unit=model_config.gated_linear_unit)
     world = dist.get_world_size(group) if group is not None else 1
-
     names = {}
     for ci, chunk in enumerate(model_chunks):
         for name, p in chunk.named_parameters():
             names[p] = (ci, name)
     muon_params = sorted((p for p in names if p in managed), key=lambda p: names[p])
-    key_of = {p: f"{names[p][0]}:{names[p][1]}" for p in muon_params}
-    mine = [(key_of[p], *held[p]) for p in muon_params if p in held]
-    info = (tp_rank, [key_of[p] for p in muon_params], mine)
+    params = [MuonParam(key=f"{names[p][0]}:{names[p][1]}", name=names[p][1],
+                        shape=tuple(p.shape), tp_dim=tp_partition_dim(p), bucket=bucket_of[p])
+              for p in muon_params]
+    info = slice_info(params, {m.key: held[p] for m, p in zip(params, muon_params) if p in held},
+                      tp_rank)
     gathered = [info]
     if group is not None:
         gathered = [None] * world
         dist.all_gather_object(gathered, info, group=group)
-    keys = gathered[0][1]
-    for g in gathered[1:]:
-        if g[1] != keys:
-            raise RuntimeError("DMuon: ranks of one pipeline stage disagree on the Muon "
-                               "parameters; every DP x TP rank must build the same model")
-    pieces = {k: [] for k in keys}
-    for grank, (trank, _, slices) in enumerate(gathered):
-        for key, start, end, local_offset in slices:
-            pieces[key].append((grank, trank, start, end, local_offset))
-    matrices = []
-    for p in muon_params:
-        key = key_of[p]
-        dim = None if blockwise else tp_partition_dim(p)
-        if matrix:
-            if not pieces[key]:
-                continue  # lives whole on another DP rank
-            _check_whole(key, p, pieces[key], tp_size if dim is not None else world)
-        shape = tuple(p.shape) if blockwise else full_shape(p, tp_size)
-        units = muon_units(names[p][1], shape, model_config, split_qkv=cfg.muon_split_qkv,
-                           split_fc1=cfg.dmuon_split_fc1, tp_size=tp_size)
-        ps = tuple(Piece(rank=g, tp_rank=t, start=s, end=e, local_offset=o,
-                         source=dim is not None or t == 0)
-                   for g, t, s, e, o in sorted(pieces[key]))
-        matrices.append(ShardedMatrix(key=key, shape=shape, units=tuple(units), tp_dim=dim,
-                                      tp_size=tp_size, pieces=ps, bucket=bucket_of[p]))
+    matrices = matrices_from_slices(params, gathered, tp_size=tp_size,
+                                    model_config=model_chunks[0].config, cfg=cfg, expert=expert,
+                                    real_tp_size=groups.tp_size)
     return matrices, group
 
 
@@ -591,7 +561,22 @@ def plan_matrices(matrices, world: int, cfg, cost, *, replicate: bool = False):
                 held[pc.rank] += (pc.end - pc.start) * u.numel // total
             holdings[m.unit_key(i)] = held
     return plan_owners(tasks, world, holdings=None if replicate else holdings,
-                       locality_slack=cfg.dmuon_locality_slack)
+                       locality_slack=cfg.dmuon_locality_slack,
+                       split=None if replicate else split_policy(cfg))
+
+
+def split_policy(cfg) -> Optional[SplitPolicy]:
+    """How the planner may split units' NS across ranks (``dmuon_split``): None where it may
+    not (off; matrix placement, whose point is that no unit moves; a second moment, which
+    needs whole units; Gram NS or tuner costs, which the split's cost formulas do not
+    describe)."""
+    forced = cfg.dmuon_split_parts
+    if forced is None and (cfg.dmuon_split == "off" or cfg.dmuon_placement == "matrix"
+                           or cfg.dmuon_moment2 is not None or cfg.dmuon_plan_cost == "tuner"
+                           or compat.ns_method(cfg) == "gram"):
+        return None
+    return SplitPolicy(cfg.muon_num_ns_steps, cfg.dmuon_split_flops_per_byte, parts=forced,
+                       ay=ns_dtype(cfg) == torch.float32)
 
 
 def engine_for(matrices, plan, group, cfg, *, replicate: bool = False,
@@ -624,19 +609,6 @@ def build_engine(matrices, group, cfg, *, replicate: bool = False,
     engine = engine_for(matrices, plan, group, cfg, replicate=replicate,
                         local_numel=local_numel)
     return engine, plan
-
-
-def _check_whole(key, p, pieces, holders: int) -> None:
-    """Matrix placement: this DP rank's TP group must hold every TP shard of ``p`` whole
-    (``holders``: how many TP shards or replicas the group holds)."""
-    held = {}
-    for _, trank, start, end, _ in pieces:
-        held[trank] = held.get(trank, 0) + end - start
-    if len(held) != holders or any(n != p.numel() for n in held.values()):
-        raise ValueError(
-            f"dmuon_placement='matrix': {key} is not whole on one data-parallel rank "
-            f"(TP shard elements held here: {held}, need {p.numel()} each). Build the "
-            "DDP model inside megatron_muon.megatron.matrix_placement.matrix_placement(...)")
 
 
 def _unit_cost(cfg, shapes, group):
