@@ -11,12 +11,17 @@ what one training step costs per rank:
 - bytes per rank, memory per rank (weights, grads, optimizer state, Muon workspace; not
   activations) and the plan imbalance (max / mean - 1 of the per-rank NS cost).
 
-Who owns which unit comes from the project's own planner (``plan.plan_owners``) run on the
-real unit list (Megatron's fused QKV split into Q, K and V; fc1; fc2; proj; the router;
-one unit per expert), over the real ZeRO-1 layout (Megatron's buffer order and padding,
-so the locality-aware plan sees what each DP shard holds).  Megatron-Core's layer-wise
-Muon uses Megatron-Core's own placement, re-implemented from its source: 0.16 deals params
-sorted by size ping-pong over DP; 0.19 packs them into a shard-aligned buffer.
+DMuon's owner plan and exchange are DMuon's own: the stage's parameters as Megatron-Core's
+GPT registers them (``megatron_params``: ``geometry.gpt_param_specs``), Megatron's DDP
+buffers and DP shards and every rank's ``ShardedMatrix`` (``geometry.dmuon_part`` /
+``stage_matrices``, the code ``dmuon.sharded_matrices`` uses, checked against a real
+Megatron DDP + DMuon build in ``tests/test_geometry.py``), the plan from
+``dmuon.plan_matrices`` (the planner DMuon runs, locality included) and the elements each
+rank moves counted per piece and unit as the executor's tables do (``matrix_exchange``,
+``flat_blocks.piece_unit_blocks``).  ``tools/bench_scale.py`` builds the executors themselves
+on a fake process group and compares.  Megatron-Core's layer-wise Muon uses Megatron-Core's
+own placement, re-implemented from its source: 0.16 deals params sorted by size ping-pong
+over DP; 0.19 packs them into a shard-aligned buffer.
 
 Modes (see docs/design.md):
 
@@ -29,8 +34,8 @@ Modes (see docs/design.md):
   shard-aligned buffer, bucketed reduce-scatter / all-gather; 0.16: gradients all-reduced,
   updated parameters all-gathered (uneven) inside the step.
 - ``dmuon``: owner-centric Muon: each unit gathered on one owner of the DP x TP group, NS
-  there, pieces scattered back (two all-to-alls per bucket); experts planned in their
-  expert-data-parallel group.
+  there, pieces scattered back (two all-to-alls per bucket); experts (EP > 1) planned in
+  their expert-data-parallel group; at EP = 1 experts are dense parameters, as in Megatron.
 - ``dmuon_overlap``: the same work, started per bucket during the backward pass.
 - ``matrix_zero1`` / ``matrix_zero3``: MatrixFSDP placement, every Muon parameter whole on
   one DP rank, no Muon communication; uneven (padded) reduce-scatter / all-gather; under
@@ -39,8 +44,9 @@ Modes (see docs/design.md):
   the optimizer all-gathers every matrix (one call per parameter) and runs all NS on
   every rank.
 
-Pure Python (plus the planner's imports); knows nothing of Megatron or torch.distributed.
-A tool, not part of the ``megatron_muon`` package (the training runtime never needs it):
+Pure arithmetic: no process group, no model.  The DMuon modes import ``megatron_muon.
+megatron.dmuon`` (and with it Megatron-Core) for its planner, on first use.  A tool, not
+part of the ``megatron_muon`` package (the training runtime never needs it):
 ``tools/cost_model.py`` is its command line, ``tests/test_costmodel.py`` its tests.
 Every number below that is not measured is an assumption, named where it is used.
 """
@@ -51,19 +57,25 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
+from types import SimpleNamespace
 from typing import Optional, Sequence
 
+from megatron_muon.core.flat_blocks import piece_unit_blocks
 from megatron_muon.core.newton_schulz import ns_flops
-from megatron_muon.core.plan import OwnerPlan, UnitTask, plan_owners
-from megatron_muon.core.units import gate_up_units, qkv_units
+from megatron_muon.core.plan import OwnerPlan, UnitTask, flops_cost, plan_owners
+from megatron_muon.megatron.geometry import (ParamSpec, buffer_layout, ddp_bucket_size,
+                                             dmuon_part, full_shape_of, gpt_param_specs,
+                                             stage_matrices)
+from megatron_muon.megatron.params import muon_units
 
 __all__ = [
     "ModelConfig", "Layout", "RunConfig", "Hardware", "Prediction", "HARDWARE", "MODELS",
-    "MODES", "EXTRA_MODES", "predict", "stage_tensors", "muon_tasks", "zero1_holdings",
+    "MODES", "EXTRA_MODES", "predict", "stage_tensors", "megatron_params", "zero1_holdings",
     "exchange_elements", "owner_exchange", "Exchange", "naive_exchange_bytes", "owner_exchange_bytes_even",
     "collective_time", "Group", "load_cpu_profile", "fwd_bwd_seconds", "pingpong_owners",
     "ADAM_BYTES_PER_ELEM", "MUON_BYTES_PER_ELEM", "OWNED_BYTES_PER_ELEM", "layout_for", "sweep",
-    "model_param_counts", "unit_holdings", "water_fill", "mcore19_layout",
+    "model_param_counts", "matrix_exchange", "placed_units", "split_allreduce", "RankSet",
+    "water_fill", "mcore19_layout",
 ]
 
 MODES = ("adamw", "muon_naive", "mcore_layerwise", "dmuon", "dmuon_overlap",
@@ -166,6 +178,7 @@ class RunConfig:
     locality: bool = True  # DMuon's locality-aware plan (dmuon_locality_slack)
     locality_slack: float = 0.03
     locality_max_work: int = 1_500_000  # units x ranks above which plain LPT is used (speed)
+    dmuon_split: str = "auto"  # DMuon's dmuon_split: the planner splits units' NS where it pays
     overlap_efficiency: float = 0.5  # dmuon_overlap: usable share of the backward window
     # dmuon_overlap's policy (dmuon_overlap='on' / 'auto' / 'off'; 'auto': measured with
     # PP > 1, off without) and the share of steps whose gradients clipping (or anything
@@ -347,79 +360,67 @@ class StageTensor:
         return self.numel // self.tp if self.tp_dim is not None else self.numel
 
 
-def _layers_of_stage(model: ModelConfig, pp: int) -> range:
+def _layers_of_stage(model: ModelConfig, pp: int, pp_rank: int = 0) -> range:
     per = math.ceil(model.num_layers / pp)
-    return range(0, min(per, model.num_layers))
+    return range(min(pp_rank * per, model.num_layers), min((pp_rank + 1) * per, model.num_layers))
+
+
+def megatron_params(model: ModelConfig, layout: Layout, run: RunConfig = RunConfig(),
+                    pp_rank: int = 0) -> list:
+    """The parameters of pipeline stage ``pp_rank`` as Megatron-Core's ``GPTModel`` (local
+    spec) registers them: ``geometry.gpt_param_specs``, the list DMuon's geometry, the
+    planner and ``tools/bench_scale.py`` work on, and the one ``stage_tensors`` describes.
+    One EP rank's experts (E / EP per MoE layer); the vocabulary is padded to a multiple of
+    TP (Megatron-LM pads it)."""
+    vocab = -(-model.vocab_size // layout.tp) * layout.tp
+    return gpt_param_specs(
+        num_layers=model.num_layers, hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size, num_attention_heads=model.num_attention_heads,
+        vocab_size=vocab, num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels, gated_linear_unit=model.swiglu,
+        normalization=model.normalization, num_moe_experts=model.num_experts or None,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=model.moe_shared_expert_ffn or None,
+        first_dense_layers=model.first_dense_layers,
+        share_embeddings_and_output_weights=model.tied_embeddings, tp=layout.tp, pp=layout.pp,
+        pp_rank=pp_rank, ep=layout.ep, etp=layout.etp,
+        stage_layers=_layers_of_stage(model, layout.pp, pp_rank))
+
+
+def model_namespace(model: ModelConfig) -> SimpleNamespace:
+    """What ``params.muon_units`` reads of a model (Megatron's ``TransformerConfig`` names)."""
+    return SimpleNamespace(num_attention_heads=model.num_attention_heads,
+                           num_query_groups=model.num_query_groups,
+                           kv_channels=model.kv_channels, hidden_size=model.hidden_size,
+                           gated_linear_unit=model.swiglu)
+
+
+def _short_name(name: str) -> str:
+    for prefix in ("module.decoder.", "module."):
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
 
 
 def stage_tensors(model: ModelConfig, layout: Layout, run: RunConfig = RunConfig()
                   ) -> list[StageTensor]:
-    """Parameters of pipeline stage 0 in Megatron's ``named_parameters`` order.
-
-    One EP rank's experts (E / EP per MoE layer).  Units follow docs/design.md: QKV split
-    into Q, K, V (``qkv_units``), SwiGLU fc1 optionally into gate/up, one unit per expert.
-    """
-    h, tp = model.hidden_size, layout.tp
-    q_dim, kv_dim = model.num_attention_heads * model.head_dim, model.groups * model.head_dim
-    norm_n = 2 if model.normalization == "LayerNorm" else 1
+    """Parameters of pipeline stage 0 in Megatron's ``named_parameters`` order
+    (``megatron_params``), with full shapes and NS units (``params.muon_units``, as DMuon
+    cuts them: QKV into Q, K, V, SwiGLU fc1 optionally into gate/up, one unit per expert);
+    names without the ``module.decoder.`` prefix."""
+    mc = model_namespace(model)
     out: list[StageTensor] = []
-
-    def muon(name, shape, tp_dim, units, expert=False, tpsize=None):
-        out.append(StageTensor(name, tuple(shape), tp_dim, expert, True,
-                               tuple((f"{name}#{i}", u) for i, u in enumerate(units)),
-                               tpsize if tpsize is not None else tp))
-
-    def other(name, shape, tp_dim=None):
-        out.append(StageTensor(name, tuple(shape), tp_dim, False, False, (), tp))
-
-    def norm(name):
-        for i in range(norm_n):
-            other(f"{name}.{('weight', 'bias')[i]}", (h,))
-
-    def fc1_units(rows):
-        if run.split_fc1 and model.swiglu:
-            return [u.shape for u in gate_up_units((rows, h))]
-        return [(rows, h)]
-
-    stage_layers = _layers_of_stage(model, layout.pp)
-    other("embedding.word_embeddings.weight", (model.vocab_size, h), 0)
-    for layer in stage_layers:
-        p = f"layers.{layer}"
-        norm(f"{p}.input_layernorm")
-        muon(f"{p}.self_attention.linear_proj.weight", (h, q_dim), 1, [(h, q_dim)])
-        qkv = (q_dim + 2 * kv_dim, h)
-        if run.split_qkv:
-            units = [u.shape for u in qkv_units(qkv, model.groups,
-                                                model.num_attention_heads // model.groups,
-                                                model.head_dim)]
-        else:
-            units = [qkv]
-        muon(f"{p}.self_attention.linear_qkv.weight", qkv, 0, units)
-        norm(f"{p}.pre_mlp_layernorm")
-        glu = 2 if model.swiglu else 1
-        if model.is_moe_layer(layer):
-            e, f = model.num_experts, model.moe_ffn_hidden_size or model.ffn_hidden_size
-            muon(f"{p}.mlp.router.weight", (e, h), None, [(e, h)])
-            local = e // layout.ep
-            for x in range(local):
-                q = f"{p}.mlp.experts.local_experts.{x}"
-                muon(f"{q}.linear_fc1.weight", (glu * f, h), 0, fc1_units(glu * f),
-                     expert=True, tpsize=layout.etp)
-                muon(f"{q}.linear_fc2.weight", (h, f), 1, [(h, f)], expert=True,
-                     tpsize=layout.etp)
-            if model.moe_shared_expert_ffn:
-                sf = model.moe_shared_expert_ffn
-                muon(f"{p}.mlp.shared_experts.linear_fc1.weight", (glu * sf, h), 0,
-                     fc1_units(glu * sf))
-                muon(f"{p}.mlp.shared_experts.linear_fc2.weight", (h, sf), 1, [(h, sf)])
-        else:
-            f = model.ffn_hidden_size
-            muon(f"{p}.mlp.linear_fc1.weight", (glu * f, h), 0, fc1_units(glu * f))
-            muon(f"{p}.mlp.linear_fc2.weight", (h, f), 1, [(h, f)])
-    if layout.pp == 1:
-        norm("final_layernorm")
-        if not model.tied_embeddings:
-            other("output_layer.weight", (model.vocab_size, h), 0)
+    for spec in megatron_params(model, layout, run):
+        expert = ".local_experts." in spec.name
+        tp = layout.etp if expert else layout.tp
+        shape = full_shape_of(spec.shape, spec.tp_dim, tp) if len(spec.shape) == 2 else spec.shape
+        name = _short_name(spec.name)
+        units: tuple = ()
+        if spec.muon:
+            units = tuple((f"{name}#{i}", u.shape) for i, u in enumerate(muon_units(
+                spec.name, shape, mc, split_qkv=run.split_qkv, split_fc1=run.split_fc1,
+                tp_size=tp)))
+        out.append(StageTensor(name, tuple(shape), spec.tp_dim, expert, spec.muon, units, tp))
     return out
 
 
@@ -435,12 +436,6 @@ def model_param_counts(model: ModelConfig) -> dict:
     if not model.tied_embeddings:
         active_matmul += model.vocab_size * model.hidden_size  # output layer
     return dict(total=total, experts=experts, muon=muon, active_matmul=active_matmul)
-
-
-def muon_tasks(tensors: Sequence[StageTensor], ns_steps: int, expert: bool) -> list[UnitTask]:
-    """The planner's tasks: one per NS unit, cost = NS flops, nbytes = fp32 bytes."""
-    return [UnitTask(key, shape, ns_flops(shape[0], shape[1], ns_steps), 4 * shape[0] * shape[1])
-            for t in tensors if t.muon and t.expert == expert for key, shape in t.units]
 
 
 # ----------------------------------------------------------------------------- groups & comm
@@ -540,66 +535,21 @@ class Zero1Layout:
 
 def zero1_holdings(tensors: Sequence[StageTensor], dp: int, tp: int, run: RunConfig,
                    bucket_elems: Optional[int] = None) -> Zero1Layout:
-    """Reverse parameter order, 64-element start padding, buckets padded to lcm(DP, 128),
-    each bucket cut into DP equal contiguous shards (Megatron-Core 0.16's buffer)."""
-    pad = run.megatron_pad
-    pos, ranges = 0, {}
-    bucket_ranges, bstart = [], 0
-    divisor = math.lcm(dp, 128) if pad else dp
-    for t in reversed(list(tensors)):
-        if pad:
-            pos = -(-pos // 64) * 64
-        ranges[t.name] = (pos, pos + t.local_numel)
-        pos += t.local_numel
-        if bucket_elems and pos - bstart >= bucket_elems:
-            end = -(-pos // divisor) * divisor
-            bucket_ranges.append((bstart, end))
-            bstart = pos = end
-    if pos > bstart or not bucket_ranges:
-        end = -(-pos // divisor) * divisor
-        bucket_ranges.append((bstart, end))
-        pos = end
-    pieces: dict = {}
-    shard_total = 0
-    for b0, b1 in bucket_ranges:
-        shard_total += (b1 - b0) // dp
-    for t in tensors:
-        s, e = ranges[t.name]
-        held = []
-        for b0, b1 in bucket_ranges:
-            lo, hi = max(s, b0), min(e, b1)
-            if lo >= hi:
-                continue
-            size = (b1 - b0) // dp
-            for d in range((lo - b0) // size, (hi - 1 - b0) // size + 1):
-                a, b = max(lo, b0 + d * size), min(hi, b0 + (d + 1) * size)
-                if b > a:
-                    tps = range(tp) if t.tp_dim is not None else range(1)  # replicas: tp 0
-                    held.extend((d * tp + tr, b - a) for tr in tps)
-        pieces[t.name] = held
-    return Zero1Layout(numel=pos, buckets=bucket_ranges, pieces=pieces, shard_elems=shard_total)
-
-
-class _Sparse(dict):
-    """holdings[key][rank] with zeros by default (plan_owners indexes it by rank)."""
-
-    def __missing__(self, k):
-        return 0
-
-
-def unit_holdings(tensors: Sequence[StageTensor], layout: Zero1Layout) -> dict:
-    """{unit key: {group rank: elements}}: a unit's share of each piece is proportional to its
-    size in the matrix (the estimate DMuon's adapter uses; exact for whole-matrix units)."""
-    out = {}
-    for t in tensors:
-        if not t.muon:
-            continue
-        for key, (m, n) in t.units:
-            h = _Sparse()
-            for g, elems in layout.pieces[t.name]:
-                h[g] = h.get(g, 0) + elems * m * n // t.numel
-            out[key] = h
-    return out
+    """Megatron's buffer of ``tensors`` (``geometry.buffer_layout``: reverse parameter order,
+    64-element start padding, buckets padded to lcm(DP, 128), each bucket cut into DP equal
+    contiguous shards; ``run.megatron_pad=False``: no padding beyond a multiple of DP), as
+    elements per group rank; TP-replicated tensors are counted once, on TP rank 0."""
+    lay = buffer_layout([ParamSpec(t.name, (t.local_numel,)) for t in tensors], dp,
+                        bucket_elems, pad=run.megatron_pad)
+    by_name = {t.name: t for t in tensors}
+    pieces: dict = {t.name: [] for t in tensors}
+    for d, slices in enumerate(lay.dp_slices()):
+        for i, start, end, _ in slices:
+            name = lay.params[i].name
+            tps = range(tp) if by_name[name].tp_dim is not None else range(1)
+            pieces[name].extend((d * tp + tr, end - start) for tr in tps)
+    return Zero1Layout(numel=lay.numel, buckets=[tuple(b) for b in lay.buckets], pieces=pieces,
+                       shard_elems=sum(b1 - b0 for b0, b1 in lay.buckets) // dp)
 
 
 @dataclass
@@ -640,6 +590,100 @@ def owner_exchange(holdings: dict, owners: dict, group: Group) -> Exchange:
                 gi[o] += elems
                 si[g] += elems
     return Exchange(gs, gr, ss, sr, gi, si)
+
+
+def placed_units(m, plan) -> list:
+    """``[(unit or part, owner)]`` of matrix ``m`` under ``plan``: a unit the plan splits
+    (``plan.splits``) is its parts (``units.split_unit``), each on its own rank, as
+    ``OwnerCentricNS`` moves them."""
+    splits = getattr(plan, "splits", None) or {}
+    out = []
+    for i, u in enumerate(m.units):
+        sp = splits.get(m.unit_key(i))
+        if sp is None:
+            out.append((u, plan.owners[m.unit_key(i)]))
+        else:
+            from megatron_muon.core.units import split_unit
+
+            out.extend(zip(split_unit(u, sp.widths), sp.ranks))
+    return out
+
+
+def matrix_exchange(matrices: Sequence, plan, group: Group) -> Exchange:
+    """The elements DMuon's exchange moves per rank for ``matrices`` (``ShardedMatrix``, from
+    ``geometry``) under ``plan``, as ``OwnerCentricNS`` builds its tables: every source
+    piece's part of a unit (or of a split unit's part, ``placed_units``) goes to its owner
+    (gather) and every piece's part of the result back to its holder (scatter), both counted
+    by ``flat_blocks.piece_unit_blocks`` (exact, also for QKV, gate/up and split parts); a
+    piece on its owner never moves.  The split units' all-reduces are not in it
+    (``split_allreduce``)."""
+    n = group.size
+    gs, gr, ss, sr, gi, si = ([0] * n for _ in range(6))
+    for m in matrices:
+        placed = placed_units(m, plan)
+        whole = len(placed) == 1 and placed[0][0].numel == m.shape[0] * m.shape[1]
+        for u, o in placed:
+            for pc in m.pieces:
+                if pc.rank == o:
+                    continue
+                elems = pc.end - pc.start if whole else sum(
+                    h * w for _, _, h, w, _, _ in piece_unit_blocks(
+                        m.shape, m.tp_dim, m.tp_size, pc.tp_rank, pc.start, pc.end,
+                        pc.local_offset, u))
+                if not elems:
+                    continue
+                remote = group.node(pc.rank) != group.node(o)
+                if pc.source:
+                    gs[pc.rank] += elems
+                    gr[o] += elems
+                    gi[o] += elems if remote else 0
+                ss[o] += elems
+                sr[pc.rank] += elems
+                si[pc.rank] += elems if remote else 0
+    return Exchange(gs, gr, ss, sr, gi, si)
+
+
+@dataclass(frozen=True)
+class RankSet:
+    """The ranks of one split unit inside a group, for ``collective_time`` (which reads
+    ``size``, ``nodes`` and ``local_size``)."""
+
+    size: int
+    nodes: int
+    local_size: int
+
+    @classmethod
+    def of(cls, ranks: Sequence[int], group: Group) -> "RankSet":
+        per: dict = {}
+        for r in ranks:
+            per[group.node(r)] = per.get(group.node(r), 0) + 1
+        return cls(len(ranks), len(per), max(per.values()))
+
+
+def split_allreduce(plan, group: Group, hw: "Hardware", steps: int) -> tuple[list, list, list]:
+    """``(NS flops, all-reduce seconds, all-reduce bytes)`` per rank of ``plan``'s split
+    units (``plan.splits``): part j of a unit runs ``plan.split_costs``' flops on
+    ``ranks[j]``, and every NS step all-reduces the fp32 s x s Gram matrix among the unit's
+    ranks (``plan.split_bytes`` per step; each all-reduce priced by ``collective_time`` on
+    those ranks; a rank's all-reduces add up).  Zeros for a plan without splits."""
+    n = group.size
+    flops, secs, nbytes = [0.0] * n, [0.0] * n, [0.0] * n
+    splits = getattr(plan, "splits", None) or {}
+    if not splits:
+        return flops, secs, nbytes
+    from megatron_muon.core.plan import split_bytes, split_costs
+
+    shape = {t.key: t.shape for t in plan.tasks}
+    for key, sp in splits.items():
+        sh, k = shape[key], len(sp.ranks)
+        _, part_flops, _ = split_costs(sh, sp.widths, steps, 1.0, ay=sp.form == "ay")
+        per_step = split_bytes(sh, k, 1)  # one Gram all-reduce, bytes each rank moves
+        t = steps * collective_time(hw, "all_reduce", RankSet.of(sp.ranks, group), per_step / 2)
+        for j, r in enumerate(sp.ranks):
+            flops[r] += part_flops[j]
+            secs[r] += t
+            nbytes[r] += steps * per_step
+    return flops, secs, nbytes
 
 
 def exchange_elements(holdings: dict, owners: dict, num_ranks: int) -> tuple[list, list]:
@@ -733,8 +777,11 @@ class _Stage:
         layout.check()
         self.model, self.layout, self.run = model, layout, run
         self.tensors = stage_tensors(model, layout, run)
-        self.dense = [t for t in self.tensors if not t.expert]
-        self.experts = [t for t in self.tensors if t.expert]
+        # the expert-parallel buffers (Megatron: experts with EP > 1; at EP = 1 experts are
+        # dense parameters, in the dense buffers and DMuon's DP x TP group)
+        split = layout.ep > 1
+        self.dense = [t for t in self.tensors if not (t.expert and split)]
+        self.experts = [t for t in self.tensors if t.expert and split]
         tp, dp, gpn = layout.tp, layout.dp, layout.gpus_per_node
         self.g_dense = Group(tp * dp, 1, gpn)  # DMuon group: DP x TP of the stage
         self.g_dp = Group(dp, tp, gpn)
@@ -749,9 +796,7 @@ class _Stage:
         self.adam_local = sum(t.local_numel for t in self.tensors if not t.muon)
         self.dense_muon_local = sum(t.local_numel for t in self.dense if t.muon)
         self.kinds = (False, True) if self.experts else (False,)  # dense, expert
-        bucket = run.bucket_elems
-        if bucket is None and run.overlap_grad_reduce:
-            bucket = max(40_000_000, 1_000_000 * dp)
+        bucket = ddp_bucket_size(run.bucket_elems, dp, overlap_grad_reduce=run.overlap_grad_reduce)
         self.bucket = bucket
         self.nbuckets = max(1, math.ceil(self.local_total / bucket)) if bucket else 1
         self._cache: dict = {}
@@ -763,33 +808,53 @@ class _Stage:
             return self.experts, lay.edp, self.g_edp, lay.etp
         return self.dense, lay.dp, self.g_dp, lay.tp
 
-    # ZeRO-1 layouts and owner plans ------------------------------------------------------
-    def zero1(self, expert: bool) -> Zero1Layout:
-        key = ("z1", expert)
+    # DMuon's geometry and owner plan: the real ones (megatron_muon.megatron.geometry and
+    # dmuon.plan_matrices, as tools/bench_scale.py and DMuonDistributedOptimizer run them) --
+    def dmuon_cfg(self):
+        """DMuon's settings (``DMuonOptimizerConfig``, defaults for everything the run does not
+        set), which the geometry and the planner read."""
+        if "cfg" not in self._cache:
+            from megatron_muon.megatron.config import DMuonOptimizerConfig  # Megatron-Core
+
+            run = self.run
+            self._cache["cfg"] = DMuonOptimizerConfig(
+                optimizer="dmuon", lr=1e-3, use_distributed_optimizer=True,
+                bf16=run.param_bytes == 2, muon_num_ns_steps=run.ns_steps,
+                muon_split_qkv=run.split_qkv, dmuon_split_fc1=run.split_fc1,
+                dmuon_locality_slack=run.locality_slack, dmuon_log_plan=False,
+                dmuon_split=run.dmuon_split,
+                muon_fp32_matmul_prec="medium" if run.ns_dtype_bytes == 2 else "high")
+        return self._cache["cfg"]
+
+    def geometry(self, expert: bool) -> tuple:
+        """``(PartGeometry, matrices)`` of DMuon's dense or expert optimizer: Megatron's
+        buffers of stage 0 (``geometry.dmuon_part``) and every rank's ``ShardedMatrix``
+        (``geometry.stage_matrices``: group rank = DP rank x TP + TP rank; experts over their
+        expert-DP group, x ETP)."""
+        key = ("geometry", expert)
         if key not in self._cache:
-            ts, n, _, tp = self.part(expert)
-            self._cache[key] = zero1_holdings(ts, n, tp, self.run, self.bucket)
+            lay = self.layout
+            part = dmuon_part([megatron_params(self.model, lay, self.run)],
+                              dp_size=lay.edp if expert else lay.dp, bucket_size=self.bucket,
+                              expert=expert, pad=self.run.megatron_pad)
+            mats = stage_matrices(part, tp_size=lay.etp if expert else lay.tp,
+                                  model_config=model_namespace(self.model), cfg=self.dmuon_cfg(),
+                                  expert=expert, real_tp_size=lay.tp)
+            self._cache[key] = (part, mats)
         return self._cache[key]
 
     def muon_held_max(self, expert: bool) -> int:
-        """Most Muon-matrix elements any rank's ZeRO-1 shard holds."""
-        z = self.zero1(expert)
-        per: dict = {}
-        for t in (self.experts if expert else self.dense):
-            if t.muon:
-                for g, e in z.pieces[t.name]:
-                    per[g] = per.get(g, 0) + e
-        return max(per.values()) if per else 0
+        """Most Muon-matrix elements any rank's ZeRO-1 shard holds (DMuon's flat buffer)."""
+        return max(self.geometry(expert)[0].local_numel, default=0)
 
     def muon_held_min(self, expert: bool) -> int:
-        """Fewest Muon-matrix elements any rank of the Muon group holds."""
-        z = self.zero1(expert)
-        g = self.muon_group(expert)
-        per = [0] * g.size
-        for t in (self.experts if expert else self.dense):
-            if t.muon:
-                for r, e in z.pieces[t.name]:
-                    per[r] += e
+        """Fewest Muon-matrix elements any rank of the Muon group holds as a gather source
+        (TP-replicated matrices: their TP-rank-0 copies)."""
+        per = [0] * self.muon_group(expert).size
+        for m in self.geometry(expert)[1]:
+            for pc in m.pieces:
+                if pc.source:
+                    per[pc.rank] += pc.end - pc.start
         return min(per)
 
     def muon_group(self, expert: bool) -> Group:
@@ -801,17 +866,23 @@ class _Stage:
             return self.g_dense
         return Group(lay.edp * lay.etp, lay.ep if lay.etp == 1 else 1, lay.gpus_per_node)
 
-    def dmuon_plan(self, expert: bool) -> tuple[OwnerPlan, dict, Group]:
+    def dmuon_plan(self, expert: bool) -> tuple[OwnerPlan, list, Group]:
+        """``(plan, matrices, group)``: DMuon's owner plan, from ``dmuon.plan_matrices`` on the
+        real geometry with the flop cost DMuon's default ``dmuon_plan_cost='flops'`` uses.
+        Above ``run.locality_max_work`` units x ranks (or ``run.locality=False``) the plan
+        is taken without holdings (plain LPT), for the sweeps' speed: there the model
+        deviates from DMuon, which always plans with locality, and says so in its notes."""
         key = ("dmuon", expert)
         if key not in self._cache:
-            ts = self.experts if expert else self.dense
+            from megatron_muon.megatron.dmuon import plan_matrices  # imports Megatron-Core
+
+            _, mats = self.geometry(expert)
             group = self.muon_group(expert)
-            tasks = muon_tasks(ts, self.run.ns_steps, expert)
-            holdings = unit_holdings(ts, self.zero1(expert))
-            use_loc = self.run.locality and len(tasks) * group.size <= self.run.locality_max_work
-            plan = plan_owners(tasks, group.size, holdings=holdings if use_loc else None,
-                               locality_slack=self.run.locality_slack)
-            self._cache[key] = (plan, holdings, group, use_loc)
+            units = sum(len(m.units) for m in mats)
+            use_loc = self.run.locality and units * group.size <= self.run.locality_max_work
+            plan = plan_matrices(mats, group.size, self.dmuon_cfg(), flops_cost(self.run.ns_steps),
+                                 replicate=not use_loc)  # replicate: the plan without holdings
+            self._cache[key] = (plan, mats, group, use_loc)
         return self._cache[key][:3]
 
     def locality_used(self, expert: bool) -> bool:
@@ -917,8 +988,8 @@ def _cost_zero1_muon(st, hw, run, mode) -> _Costs:
             owned += full
             ws_units += units
         else:
-            plan, holdings, g = st.dmuon_plan(expert)
-            ex = owner_exchange(holdings, plan.owners, g)
+            plan, mats, g = st.dmuon_plan(expert)
+            ex = matrix_exchange(mats, plan, g)
             gmax = max(range(g.size), key=lambda q: max(ex.gather_recv[q], ex.gather_sent[q]))
             smax = max(range(g.size), key=lambda q: max(ex.scatter_recv[q], ex.scatter_sent[q]))
             comm += collective_time(
@@ -928,17 +999,33 @@ def _cost_zero1_muon(st, hw, run, mode) -> _Costs:
                 hw, "all_to_all", g, max(ex.scatter_recv[smax], ex.scatter_sent[smax]) * cb,
                 ex.scatter_inter[smax] * cb)
             comm += 2 * (st.nbuckets - 1) * collective_time(hw, "all_to_all", g, 0.0)
-            c.muon_recv += max(ex.recv) * cb
-            c.muon_sent += max(ex.sent) * cb
+            sflops, ssecs, sbytes = split_allreduce(plan, g, hw, run.ns_steps)
+            c.muon_recv += max(r * cb + b for r, b in zip(ex.recv, sbytes))
+            c.muon_sent += max(r * cb + b for r, b in zip(ex.sent, sbytes))
             per_rank: list = [[] for _ in range(g.size)]
             for task in plan.tasks:
-                per_rank[plan.owners[task.key]].append(task.shape)
-            times = [_ns_time(hw, us, run.ns_steps) for us in per_rank]
+                if task.key in plan.owners:  # whole units; split ones: split_allreduce
+                    per_rank[plan.owners[task.key]].append(task.shape)
+            # NS of the split parts at the rate of their short side, and their all-reduces
+            # (synchronous inside NS: every NS step waits for its Gram all-reduce)
+            small = {t.key: min(t.shape) for t in plan.tasks}
+            part_s = [[] for _ in range(g.size)]
+            for key, sp in (getattr(plan, "splits", None) or {}).items():
+                for r in sp.ranks:
+                    part_s[r].append(small[key])
+            times = [_ns_time(hw, us, run.ns_steps) + ssecs[q] +
+                     (sflops[q] / hw.ns_rate(min(part_s[q])) if part_s[q] else 0.0) +
+                     3 * run.ns_steps * hw.kernel_lat * len(part_s[q])
+                     for q, us in enumerate(per_rank)]
             w = max(range(g.size), key=lambda q: times[q])
             ns += times[w]
             ws_units += per_rank[w]
             owned += max(plan.bytes_owned) / 4
             c.imbalance = max(c.imbalance, plan.imbalance)
+            if plan.splits:
+                c.notes.append(f"{'expert' if expert else 'dense'} plan splits "
+                               f"{len(plan.splits)} units into "
+                               f"{sum(len(v.ranks) for v in plan.splits.values())} parts")
             if not st.locality_used(expert):
                 c.notes.append(f"{'expert' if expert else 'dense'} owner plan: plain LPT "
                                f"({len(plan.tasks)} units x {g.size} ranks > locality_max_work)")
