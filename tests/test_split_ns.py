@@ -55,7 +55,7 @@ def test_split_units_equal_whole_ns_in_fp32():
         forms |= {s.form for s in splits.values()}
         for r in res:
             torch.testing.assert_close(r["out"], want[r["rank"]], rtol=0, atol=2e-4)
-        # every rank took part in the all-reduces' all-to-alls; bytes only where it had parts
+        # every rank took part in the all-reduces; bytes only where it had parts
         assert all((r["stats"]["by_kind"].get("split", [0, 0])[0] > 0) == (r["parts"] > 0)
                    for r in res)
     assert forms == {"b", "ay"}

@@ -98,7 +98,7 @@ def _dmuon_config(a):
 
 def build_part(specs, *, expert: bool, layout, a, cfg, model) -> dict:
     """The geometry, matrices and owner plan of DMuon's dense or expert optimizer."""
-    from megatron_muon.megatron.dmuon import _unit_cost, plan_matrices
+    from megatron_muon.megatron.dmuon import _unit_cost, ns_dtype, plan_matrices
     from megatron_muon.megatron.geometry import ddp_bucket_size, dmuon_part, stage_matrices
 
     t0 = time.perf_counter()
@@ -122,7 +122,10 @@ def build_part(specs, *, expert: bool, layout, a, cfg, model) -> dict:
     units = [len(plan.units_of(r)) for r in range(world)]
     splits = getattr(plan, "splits", None) or {}
     group = cm.Group(world, 1, layout.gpus_per_node)
-    _, _, allreduce = cm.split_allreduce(plan, group, cm.HARDWARE["H100"], a.ns_steps)
+    import torch
+
+    _, _, allreduce = cm.split_allreduce(plan, group, cm.HARDWARE["H100"], a.ns_steps,
+                                         torch.finfo(ns_dtype(cfg)).bits // 8)
     ex = cm.matrix_exchange(mats, plan, group)  # what the cost model counts, every rank
     model_ex = dict(gather_send=ex.gather_sent, gather_recv=ex.gather_recv,
                     scatter_send=ex.scatter_sent, scatter_recv=ex.scatter_recv)

@@ -660,10 +660,12 @@ class RankSet:
         return cls(len(ranks), len(per), max(per.values()))
 
 
-def split_allreduce(plan, group: Group, hw: "Hardware", steps: int) -> tuple[list, list, list]:
+def split_allreduce(plan, group: Group, hw: "Hardware", steps: int,
+                    element_size: int = 4) -> tuple[list, list, list]:
     """``(NS flops, all-reduce seconds, all-reduce bytes)`` per rank of ``plan``'s split
     units (``plan.splits``): part j of a unit runs ``plan.split_costs``' flops on
-    ``ranks[j]``, and every NS step all-reduces the fp32 s x s Gram matrix among the unit's
+    ``ranks[j]``, and every NS step all-reduces the s x s Gram matrix (``element_size``
+    bytes per element: the NS dtype's) among the unit's
     ranks (``plan.split_bytes`` per step; each all-reduce priced by ``collective_time`` on
     those ranks; a rank's all-reduces add up).  Zeros for a plan without splits."""
     n = group.size
@@ -674,10 +676,14 @@ def split_allreduce(plan, group: Group, hw: "Hardware", steps: int) -> tuple[lis
     from megatron_muon.core.plan import split_bytes, split_costs
 
     shape = {t.key: t.shape for t in plan.tasks}
+    # the executor runs each all-reduce as two all-to-alls over the whole group (one pair
+    # per NS step for every split unit, plus the norm's pair): every rank pays their latency
+    empty = (2 + 2 * steps) * collective_time(hw, "all_to_all", group, 0.0)
+    secs = [empty] * n
     for key, sp in splits.items():
         sh, k = shape[key], len(sp.ranks)
         _, part_flops, _ = split_costs(sh, sp.widths, steps, 1.0, ay=sp.form == "ay")
-        per_step = split_bytes(sh, k, 1)  # one Gram all-reduce, bytes each rank moves
+        per_step = split_bytes(sh, k, 1, element_size)  # one Gram all-reduce, bytes per rank
         t = steps * collective_time(hw, "all_reduce", RankSet.of(sp.ranks, group), per_step / 2)
         for j, r in enumerate(sp.ranks):
             flops[r] += part_flops[j]
@@ -999,7 +1005,8 @@ def _cost_zero1_muon(st, hw, run, mode) -> _Costs:
                 hw, "all_to_all", g, max(ex.scatter_recv[smax], ex.scatter_sent[smax]) * cb,
                 ex.scatter_inter[smax] * cb)
             comm += 2 * (st.nbuckets - 1) * collective_time(hw, "all_to_all", g, 0.0)
-            sflops, ssecs, sbytes = split_allreduce(plan, g, hw, run.ns_steps)
+            sflops, ssecs, sbytes = split_allreduce(plan, g, hw, run.ns_steps,
+                                                    run.ns_dtype_bytes)
             c.muon_recv += max(r * cb + b for r, b in zip(ex.recv, sbytes))
             c.muon_sent += max(r * cb + b for r, b in zip(ex.sent, sbytes))
             per_rank: list = [[] for _ in range(g.size)]

@@ -46,6 +46,7 @@ class SplitPolicy:
     max_parts: int = 64
     parts: Optional[int] = None
     ay: bool = True
+    element_size: int = 4  # bytes per Gram element on the wire (the NS dtype's)
 
 
 @dataclass(frozen=True)
@@ -129,16 +130,19 @@ def equal_widths(length: int, k: int) -> tuple[int, ...]:
     return tuple(q + (j < r) for j in range(k))
 
 
-def split_bytes(shape: tuple[int, int], k: int, steps: int) -> float:
+def split_bytes(shape: tuple[int, int], k: int, steps: int, element_size: int = 4) -> float:
     """Bytes each of the k ranks of a split unit sends per optimizer step: one all-reduce
-    of the fp32 s x s Gram matrix per NS step as a reduce-scatter plus an all-gather,
-    2 (k - 1) / k x 4 s^2 (the norm's all-reduce, 4 bytes, is left out)."""
+    of the s x s Gram matrix's upper triangle, s (s + 1) / 2 elements, per NS step (in the
+    NS dtype, ``element_size`` bytes) as a reduce-scatter plus an all-gather,
+    2 (k - 1) / k x element_size x s (s + 1) / 2 (the norm's all-reduce, 4 bytes, is left
+    out)."""
     s = min(shape)
-    return steps * 8.0 * (k - 1) / k * s * s if k > 1 else 0.0
+    return steps * element_size * (k - 1) / k * s * (s + 1) if k > 1 else 0.0
 
 
 def split_costs(shape: tuple[int, int], widths: Sequence[int], steps: int,
-                flops_per_byte: float, ay: bool = True) -> tuple[str, list[float], float]:
+                flops_per_byte: float, ay: bool = True,
+                element_size: int = 4) -> tuple[str, list[float], float]:
     """``(form, [flops of each part], all-reduce cost of a part)`` of NS on a unit of
     ``shape`` split into parts of ``widths`` along its long side; the all-reduce's bytes
     (``split_bytes``) are priced at ``flops_per_byte``.  Per step a part of width
@@ -150,7 +154,7 @@ def split_costs(shape: tuple[int, int], widths: Sequence[int], steps: int,
     form = "ay" if ay and 4 * s * s * wide < 2 * s**3 + 2 * s * s * wide else "b"
     flops = [steps * ((6.0 * s * s * w) if form == "ay" else (4.0 * s * s * w + 2.0 * s**3))
              for w in widths]
-    return form, flops, split_bytes(shape, len(widths), steps) * flops_per_byte
+    return form, flops, split_bytes(shape, len(widths), steps, element_size) * flops_per_byte
 
 
 def _items(tasks: Sequence[UnitTask], split: dict) -> list:
@@ -175,7 +179,8 @@ def _with_costs(tasks: Sequence[UnitTask], widths: dict, policy: SplitPolicy) ->
     for t in tasks:
         if t.key in widths:
             out[t.key + "#costs"] = split_costs(t.shape, widths[t.key], policy.steps,
-                                                policy.flops_per_byte, policy.ay)
+                                                policy.flops_per_byte, policy.ay,
+                                                policy.element_size)
     return out
 
 
@@ -221,7 +226,7 @@ def _choose_splits(tasks: Sequence[UnitTask], num_ranks: int, policy: SplitPolic
         if k == 1:
             return t.cost
         _, flops, comm = split_costs(t.shape, equal_widths(max(t.shape), k), policy.steps,
-                                     policy.flops_per_byte, policy.ay)
+                                     policy.flops_per_byte, policy.ay, policy.element_size)
         return max(flops) + comm
 
     parts = {t.key: 1 for t in tasks}

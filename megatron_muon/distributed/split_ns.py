@@ -15,10 +15,14 @@ part widths (``plan.split_costs``).
 
 The all-reduces run over the owner-centric exchange's group as all-to-alls (every rank of
 the group takes part, most with nothing to send): a reduce-scatter, in which the rank of
-part c sums chunk c of every part's Gram matrix in part order, then an all-gather of the
-sums.  One pair of all-to-alls serves every split unit of the group at once, and the sum
-is taken once, in a fixed order, so every rank of a unit gets the same A bit for bit.  The
-Gram matrices are summed and sent in fp32 (``X_j X_j^T`` rounded once from the NS dtype).
+part c sums chunk c of every part's Gram matrix in part order (in fp32), then an
+all-gather of the sums.  One pair of all-to-alls serves every split unit of the group at
+once.  (An all-to-all over a large group costs a latency per rank even where nothing
+moves; point-to-point among each unit's ranks would not: not done.)  The sum is taken once, in a fixed order, so every rank of a unit gets the same A
+bit for bit.  Only the upper triangle of each (symmetric) Gram matrix travels, in the NS
+dtype: bf16 by default, half fp32's bytes
+for the same numbers, since a part's ``X_j X_j^T`` is a bf16 GEMM's output either way and
+the fp32 sum is rounded to bf16 for the next product, as the whole unit's A is.
 """
 
 from __future__ import annotations
@@ -81,9 +85,16 @@ class Round:
         b = self.bounds(p)
         return b[c + 1] - b[c]
 
-    def run(self, payloads: list, group, stats, kind: str, device) -> list:
-        """``payloads[i]``: flat fp32 payload of ``parts[i]`` on this rank -> its sum over the
-        unit's ranks (in part order), the same on each of them."""
+    @staticmethod
+    def _split(recv: torch.Tensor, counts: list) -> list:
+        """An all-to-all's receive buffer as the per-peer pieces (``counts`` elements each)."""
+        return list(torch.split(recv, [int(c) for c in counts]))
+
+    def run(self, payloads: list, group, stats, kind: str, device,
+            dtype: torch.dtype = torch.float32) -> list:
+        """``payloads[i]``: flat payload of ``parts[i]`` on this rank (``dtype``) -> its sum
+        over the unit's ranks (in part order, accumulated in fp32, returned in ``dtype``),
+        the same on each of them."""
         me, world = self.me, len(self.rs[0])
         bounds = [self.bounds(p) for p in self.parts]
         send = [[] for _ in range(world)]
@@ -92,9 +103,10 @@ class Round:
                 if r != me:
                     send[r].append(x[b[c]: b[c + 1]])
         flat = [t for per in send for t in per]
-        buf = torch.cat(flat) if flat else torch.empty(0, dtype=torch.float32, device=device)
-        recv, _ = all_to_all_flat(buf, self.rs[0], self.rs[1], group, stats, kind)
-        cursor = [sum(self.rs[1][:r]) for r in range(world)]
+        buf = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+        recv = self._split(all_to_all_flat(buf, self.rs[0], self.rs[1], group, stats, kind)[0],
+                           self.rs[1])
+        cursor = [0] * world
         sums = []
         for p, x, b in zip(self.parts, payloads, bounds):
             lo, hi = b[p.index], b[p.index + 1]
@@ -103,28 +115,29 @@ class Round:
                 if r == me:
                     v = x[lo:hi]
                 else:
-                    v = recv[cursor[r]: cursor[r] + hi - lo]
+                    v = recv[r][cursor[r]: cursor[r] + hi - lo]
                     cursor[r] += hi - lo
-                acc = v.clone() if acc is None else acc.add_(v)
-            sums.append(acc)
+                acc = v.to(torch.float32, copy=True) if acc is None else acc.add_(v)
+            sums.append(acc.to(dtype))
         send = [[] for _ in range(world)]
         for p, acc in zip(self.parts, sums):
             for r in p.ranks:
                 if r != me:
                     send[r].append(acc)
         flat = [t for per in send for t in per]
-        buf = torch.cat(flat) if flat else torch.empty(0, dtype=torch.float32, device=device)
-        recv, _ = all_to_all_flat(buf, self.ag[0], self.ag[1], group, stats, kind)
-        cursor = [sum(self.ag[1][:r]) for r in range(world)]
+        buf = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+        recv = self._split(all_to_all_flat(buf, self.ag[0], self.ag[1], group, stats, kind)[0],
+                           self.ag[1])
+        cursor = [0] * world
         out = []
         for p, acc, b in zip(self.parts, sums, bounds):
-            full = torch.empty(b[-1], dtype=torch.float32, device=device)
+            full = torch.empty(b[-1], dtype=dtype, device=device)
             for c, r in enumerate(p.ranks):
                 if r == me:
                     full[b[c]: b[c + 1]] = acc
                 else:
                     n = b[c + 1] - b[c]
-                    full[b[c]: b[c + 1]] = recv[cursor[r]: cursor[r] + n]
+                    full[b[c]: b[c + 1]] = recv[r][cursor[r]: cursor[r] + n]
                     cursor[r] += n
             out.append(full)
         return out
@@ -160,10 +173,12 @@ class SplitNS:
             off += shape[0] * shape[1]
         self.numel = off - offset
         self.norm_round = Round(self.parts, lambda p: 1, me, world)
-        self.gram_round = Round(self.parts, lambda p: p.s * p.s, me, world)
+        # A is symmetric: its upper triangle (diagonal included) is what travels
+        self.gram_round = Round(self.parts, lambda p: p.s * (p.s + 1) // 2, me, world)
+        self._upper: dict = {}  # s -> boolean mask of the upper triangle (one per short side)
 
     def rounds(self) -> list:
-        """``[(name, round)]``: the all-to-alls of a step (each round is two), for the
+        """``[(name, round)]``: the exchanges of a step (each round is two), for the
         engine's construction-time check of the counts."""
         if not self.active:
             return []
@@ -187,10 +202,12 @@ class SplitNS:
         # as newton_schulz: the norm in the NS dtype, X / (norm + eps) in it
         xs = [x / (n.sqrt().to(dt) + e.eps) for x, n in zip(xs, norms)]
         for a, b, c in resolve_coefficients(e.coefficients, e.ns_steps):
-            grams = [torch.mm(x, x.t()).float().reshape(-1) for x in xs]
-            sums = self.gram_round.run(grams, group, stats, "split", dev)
+            # each part's Gram in the NS dtype (a GEMM with fp32 accumulation, rounded once),
+            # summed in fp32, rounded back: as the whole unit's A is rounded once
+            grams = [torch.mm(x, x.t())[self._mask(p.s, dev)] for p, x in zip(self.parts, xs)]
+            sums = self.gram_round.run(grams, group, stats, "split", dev, dtype=dt)
             for i, (p, g) in enumerate(zip(self.parts, sums)):
-                A, x = g.view(p.s, p.s).to(dt), xs[i]
+                A, x = self._symmetric(g, p.s, dev), xs[i]
                 if p.form == "b":
                     B = torch.addmm(A, A, A, beta=b, alpha=c) if c != 0.0 else A * b
                     xs[i] = torch.addmm(x, B, x, beta=a)
@@ -202,6 +219,17 @@ class SplitNS:
             o = x.t() if p.tall else x
             dst = out[p.offset: p.offset + p.shape[0] * p.shape[1]].view(p.shape)
             write(o, dst, *p.unit_shape)
+
+    def _mask(self, s: int, device) -> torch.Tensor:
+        if s not in self._upper:
+            self._upper[s] = torch.ones(s, s, dtype=torch.bool, device=device).triu()
+        return self._upper[s]
+
+    def _symmetric(self, upper: torch.Tensor, s: int, device) -> torch.Tensor:
+        """The s x s symmetric matrix whose upper triangle (row by row) is ``upper``."""
+        A = torch.zeros(s, s, dtype=upper.dtype, device=device)
+        A[self._mask(s, device)] = upper
+        return A + A.triu(1).t()  # adds zeros to the upper part: exact
 
     def check(self, post: Optional[object]) -> None:
         if post is not None and self.active:

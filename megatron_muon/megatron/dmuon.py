@@ -576,7 +576,8 @@ def split_policy(cfg) -> Optional[SplitPolicy]:
                            or compat.ns_method(cfg) == "gram"):
         return None
     return SplitPolicy(cfg.muon_num_ns_steps, cfg.dmuon_split_flops_per_byte, parts=forced,
-                       ay=ns_dtype(cfg) == torch.float32)
+                       ay=ns_dtype(cfg) == torch.float32,
+                       element_size=torch.finfo(ns_dtype(cfg)).bits // 8)
 
 
 def engine_for(matrices, plan, group, cfg, *, replicate: bool = False,
