@@ -86,9 +86,13 @@ class Round:
         return b[c + 1] - b[c]
 
     @staticmethod
-    def _split(recv: torch.Tensor, counts: list) -> list:
-        """An all-to-all's receive buffer as the per-peer pieces (``counts`` elements each)."""
-        return list(torch.split(recv, [int(c) for c in counts]))
+    def _exchange(send: list, counts: tuple, group, stats, kind: str, dtype, device) -> list:
+        """``send[j]`` (tensors) to group rank j in one all-to-all of ``counts`` (send,
+        receive per peer); what came from each peer, as views of the receive buffer."""
+        flat = [t for per in send for t in per]
+        buf = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+        recv, _ = all_to_all_flat(buf, counts[0], counts[1], group, stats, kind)
+        return list(torch.split(recv, [int(c) for c in counts[1]]))
 
     def run(self, payloads: list, group, stats, kind: str, device,
             dtype: torch.dtype = torch.float32) -> list:
@@ -102,10 +106,7 @@ class Round:
             for c, r in enumerate(p.ranks):
                 if r != me:
                     send[r].append(x[b[c]: b[c + 1]])
-        flat = [t for per in send for t in per]
-        buf = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
-        recv = self._split(all_to_all_flat(buf, self.rs[0], self.rs[1], group, stats, kind)[0],
-                           self.rs[1])
+        recv = self._exchange(send, self.rs, group, stats, kind, dtype, device)
         cursor = [0] * world
         sums = []
         for p, x, b in zip(self.parts, payloads, bounds):
@@ -124,10 +125,7 @@ class Round:
             for r in p.ranks:
                 if r != me:
                     send[r].append(acc)
-        flat = [t for per in send for t in per]
-        buf = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
-        recv = self._split(all_to_all_flat(buf, self.ag[0], self.ag[1], group, stats, kind)[0],
-                           self.ag[1])
+        recv = self._exchange(send, self.ag, group, stats, kind, dtype, device)
         cursor = [0] * world
         out = []
         for p, acc, b in zip(self.parts, sums, bounds):
