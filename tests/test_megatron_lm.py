@@ -12,6 +12,11 @@ and PP2 x DP2; matrix placement; ZeRO-3 at DP4 and PP2 x DP2; save -> resume -> 
 (dmuon, ZeRO-3) resumed on TP2 x DP2 with those flags; full activation recompute with
 dmuon (and dropout) and with ZeRO-3; the legacy ``model_provider`` (``get_model``) path with
 matrix placement.
+
+A second launch (``peft_runs``) runs the PEFT lifecycle: dmuon pretraining -> LoRA + sMuon
+fine-tuning from it (``--load --finetune``, adapter-only checkpoints) -> resume (same layout
+and TP2) -> held-out evaluation -> ``python -m megatron_muon.peft.merge`` -> the merged
+checkpoint evaluated with no LoRA flag.
 """
 
 from __future__ import annotations
@@ -95,8 +100,9 @@ def _spec(out: Path) -> dict:
     ]}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def _launch(tmp_path_factory, make_spec, timeout: int = 780):
+    """Copy and patch the wheel's megatron/ tree, run ``make_spec(out)``'s trainings in one
+    launch of ``mlm_gpt.py`` on 4 CPU ranks; ``(out, {run name: its .json})``."""
     if MEGATRON is None:
         pytest.skip("no megatron/training in this env")
     root = tmp_path_factory.mktemp("mlm")
@@ -105,28 +111,34 @@ def runs(tmp_path_factory):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     out = tmp_path_factory.mktemp("runs")
-    spec = _spec(out)
+    spec = make_spec(out)
     (out / "spec.json").write_text(json.dumps(spec))
     env = dict(os.environ, MLM_GPT_RUNS=str(out / "spec.json"), PYTHONWARNINGS="ignore",
                PYTHONPATH=os.pathsep.join([str(root), str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "megatron_muon.megatron.cpu_run", "--nproc", "4",
-                           "--timeout", "780", str(SCRIPT), *COMMON], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=840)
+                           "--timeout", str(timeout), str(SCRIPT), *COMMON], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout + 60)
     results = {}
     for name, _ in spec["runs"]:
         path = out / f"{name}.json"
         if path.exists():
             results[name] = json.loads(path.read_text())
     if proc.returncode != 0 or len(results) != len(spec["runs"]):
-        failed = next(name for name, _ in spec["runs"] if name not in results)
+        failed = next((name for name, _ in spec["runs"] if name not in results), None)
         tails = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}"
-                          for p in sorted(out.glob(f"{failed}.rank*.log")))
+                          for p in sorted(out.glob(f"{failed}.rank*.log")) +
+                          sorted(out.glob(f"{failed}.log")))
         errors = list(dict.fromkeys(line for line in proc.stderr.splitlines()
                                     if "Error" in line or "error:" in line))
         pytest.fail(f"cpu_run exited {proc.returncode}; run {failed!r} failed; results for "
                     f"{sorted(results)}\nerror lines of the launch:\n" + "\n".join(errors[:20]) +
-                    f"\nthe failing run's rank logs:\n{tails}")
+                    f"\nthe failing run's logs:\n{tails}")
     return out, results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return _launch(tmp_path_factory, _spec)
 
 
 def _close(a: list, b: list, tol: float = TOLERANCE) -> float:
@@ -244,6 +256,120 @@ def test_activation_recompute(runs):
     # the dropout is real: it changes the trajectory by far more than the tolerance
     assert max(abs(a - b) for a, b in zip(r["dmuon_dropout"]["losses"][1:],
                                           r["dmuon"]["losses"][1:])) > 10 * TOLERANCE
+
+
+# --------------------------------------------------------------------------- PEFT
+# One launch: the whole LoRA lifecycle through Megatron-LM's loop (the config container's
+# pre-wrap hooks; the legacy model_provider path once), with sMuon on the adapters:
+# pretrain with dmuon -> --load --finetune with LoRA + sMuon (adapter-only checkpoints at
+# iterations 3 and 6) -> resume from iteration 3 (same layout, and at TP2) -> evaluate the
+# base and the fine-tuned model -> merge (python -m megatron_muon.peft.merge) -> evaluate the
+# merged checkpoint with no LoRA flag.  About 2 minutes on 2 cores.
+LORA = ["--lora-rank", "4", "--lora-alpha", "8"]
+SMUON = ["--optimizer", "smuon", *LORA, "--lr", "3e-3", "--lr-decay-style", "constant"]
+EVAL = ["--skip-train", "--eval-iters", "2"]
+# Merged (W0 + gamma B A, rounded once to fp32) vs unmerged (x W0^T + gamma (x A^T) B^T):
+# the same function, only the fp32 rounding differs.  Per adapted matmul (inner size
+# n <= 256, + r = 4 for the branch) the output's relative error is <= (n + r) u in the worst
+# case and ~ sqrt(n + r) u = 16 x 2^-24 ~ 1e-6 for independent roundings; 8 adapted
+# matmuls in sequence (2 layers x qkv, proj, fc1, fc2), with norms and softmax of Lipschitz
+# ~1 between them: ~ 1e-5 relative on the logits (|z| <= 10 here: ~ 1e-4 absolute at
+# worst).  Cross-entropy moves by at most max |dz| per token (its gradient in z has L1 norm
+# <= 2, and half of it is one entry): 1e-4.  Observed: identical to 7 digits.
+MERGE_TOL = 1e-4
+
+
+def _peft_spec(out: Path) -> dict:
+    save = lambda d, every: ["--save", str(out / d), "--save-interval", str(every)]  # noqa: E731
+    load = lambda d: ["--load", str(out / d)]  # noqa: E731
+    return {"out": str(out), "runs": [
+        ["pre", ["--optimizer", "dmuon"] + save("ck_pre", STEPS)],
+        ["ft", SMUON + load("ck_pre") + ["--finetune"] + save("ck_ft", SAVE_AT)],
+        ["ft_resume", SMUON + load("ck_ft") + ["--ckpt-step", str(SAVE_AT), "--lora-save-base"]
+         + save("ck_resume", SAVE_AT)],
+        ["ft_tp2_resume", SMUON + load("ck_ft") + ["--ckpt-step", str(SAVE_AT),
+                                                    "--tensor-model-parallel-size", "2"]],
+        ["base_eval", EVAL + load("ck_pre")],
+        ["ft_eval", EVAL + LORA + load("ck_ft")],
+        ["ft_eval_legacy", EVAL + LORA + load("ck_ft") + ["--legacy-model-provider"]],
+        ["merge", {"merge": {"adapters": str(out / "ck_ft"), "out": str(out / "ck_merged")}}],
+        ["merged_eval", EVAL + load("ck_merged")],
+    ]}
+
+
+@pytest.fixture(scope="module")
+def peft_runs(tmp_path_factory):
+    return _launch(tmp_path_factory, _peft_spec, timeout=600)
+
+
+@launched
+def test_lora_smuon_finetunes_a_dmuon_checkpoint(peft_runs, capsys):
+    """--load (dmuon checkpoint) --finetune with LoRA + sMuon: the base weights stay bitwise
+    the pretrained ones (frozen: nothing writes them), the adapters move (B starts at exactly
+    0), the held-out loss falls, the frozen base has no optimizer state, and the checkpoint
+    holds the adapters only."""
+    import torch
+
+    out, r = peft_runs
+    with capsys.disabled():
+        print("\nMegatron-LM LoRA r4 + sMuon fine-tuning of a dmuon checkpoint, lm loss:")
+        for name in ("pre", "ft", "ft_resume", "ft_tp2_resume", "base_eval", "ft_eval",
+                     "merged_eval"):
+            print(f"  {name:14s} " + " ".join(f"{x:.6f}" for x in r[name]["losses"]))
+    ft = r["ft"]["losses"]
+    assert r["ft"]["first_iteration"] == 1 and len(ft) == STEPS  # --finetune: iteration 0
+    assert all(math.isfinite(x) for x in ft)
+    # An untrained adapter (B = 0) adds exactly 0, so any drop is training; observed 0.06.
+    base_eval, ft_eval = r["base_eval"]["losses"], r["ft_eval"]["losses"]
+    assert sum(ft_eval) / len(ft_eval) < sum(base_eval) / len(base_eval) - 100 * MERGE_TOL
+    last = f"iter_{STEPS:07d}"
+    pre = _tensors(out / "ck_pre" / last)
+    full = _tensors(out / "ck_resume" / last)  # --lora-save-base: adapters and base weights
+    base_keys = [k for k in pre if not k.startswith("optimizer.")]
+    assert base_keys and all(torch.equal(full[k], pre[k]) for k in base_keys)
+    adapters = _tensors(out / "ck_ft" / last)
+    mid = _tensors(out / "ck_ft" / f"iter_{SAVE_AT:07d}")
+    model_keys = [k for k in adapters if not k.startswith("optimizer.")]
+    assert model_keys and all(".lora." in k for k in model_keys)  # adapter-only checkpoint
+    assert all(k.startswith("optimizer.lora.") for k in adapters if k.startswith("optimizer."))
+    for k in model_keys:
+        if k.endswith(".lora.B"):
+            assert adapters[k].abs().max() > 0, k  # it was initialised to exactly 0
+        assert not torch.equal(adapters[k], mid[k]), k
+
+
+@launched
+def test_lora_save_resume_save_is_exact(peft_runs):
+    """Adapter-only checkpoint at iteration 3 (+ the base it records) -> resume: the losses and
+    the adapters + sMuon state at iteration 6 are the uninterrupted run's, bit for bit (same
+    layout, the same ops in the same order).  At TP2 the adapters and sMuon's full-size
+    state reshard; only the fp32 summation order differs (TOLERANCE's derivation: sMuon's
+    Newton-Schulz runs the same quintic steps on its 2r x 2r core)."""
+    import torch
+
+    out, r = peft_runs
+    ft = r["ft"]["losses"]
+    assert r["ft_resume"]["first_iteration"] == SAVE_AT + 1
+    assert r["ft_resume"]["losses"] == ft[SAVE_AT:]
+    last = f"iter_{STEPS:07d}"
+    whole, resumed = _tensors(out / "ck_ft" / last), _tensors(out / "ck_resume" / last)
+    assert any(k.endswith(".momentum_buffer") for k in whole)
+    for k in whole:
+        assert torch.equal(whole[k], resumed[k]), k
+    assert r["ft_tp2_resume"]["first_iteration"] == SAVE_AT + 1
+    _close(r["ft_tp2_resume"]["losses"], ft[SAVE_AT:])
+
+
+@launched
+def test_merged_checkpoint_loads_without_lora_flags(peft_runs):
+    """python -m megatron_muon.peft.merge writes a release checkpoint that Megatron-LM loads
+    with no LoRA flag; it evaluates to the unmerged model's loss (MERGE_TOL's derivation).
+    The legacy model_provider path (get_model) builds the same LoRA model."""
+    out, r = peft_runs
+    assert (out / "ck_merged" / "latest_checkpointed_iteration.txt").read_text() == "release"
+    assert r["merged_eval"]["first_iteration"] == 1  # a release checkpoint: iteration 0
+    _close(r["merged_eval"]["losses"], r["ft_eval"]["losses"], MERGE_TOL)
+    _close(r["ft_eval_legacy"]["losses"], r["ft_eval"]["losses"], MERGE_TOL)
 
 
 # --------------------------------------------------------------------------- the runner

@@ -101,6 +101,9 @@ def test_patch_applies_cleanly_and_reverts(tmp_path):
     assert "'dmuon', 'muon_naive'" in args_py and "add_dmuon_args" in args_py
     assert "validate_dmuon_args(args)" in args_py
     assert "from megatron_muon.megatron.factory import get_megatron_optimizer" in train_py
+    assert "add_peft_args" in args_py and "validate_peft_args(args)" in args_py
+    assert "'smuon'" in args_py and "LoRAModelBuild(args, cfg_container)" in train_py
+    assert "get_lora_optimizer as build_optimizer" in train_py
     for name in ("arguments.py", "training.py"):
         py_compile.compile(str(root / "megatron/training" / name), doraise=True,
                            cfile=str(tmp_path / f"{name}c"))
@@ -197,7 +200,8 @@ for name, extra in json.loads(sys.argv[2]).items():
          "use_distributed_optimizer": args.use_distributed_optimizer,
          "layer_wise": args.use_layer_wise_distributed_optimizer}
     for k in ("muon_momentum", "muon_nesterov", "muon_coefficient_type", "muon_num_ns_steps",
-              "muon_fp32_matmul_prec", "dmuon_plan_cost", "dmuon_split_fc1"):
+              "muon_fp32_matmul_prec", "dmuon_plan_cost", "dmuon_split_fc1", "lora_rank",
+              "lora_target_modules", "overlap_param_gather", "dist_ckpt_optim_fully_reshardable"):
         r[k] = getattr(args, k)
     if args.optimizer in ("dmuon", "muon_naive"):
         base, _ = T.get_megatron_optimizer_config(args)
@@ -210,6 +214,8 @@ for name, extra in json.loads(sys.argv[2]).items():
     results[name] = r
 full = A.add_megatron_arguments(__import__("argparse").ArgumentParser())
 results["_groups"] = [g.title for g in full._action_groups]
+(peft,) = [g for g in full._action_groups if g.title == "peft"]
+results["_peft"] = [a.option_strings for a in peft._group_actions]
 results["_actions"] = [r for r in actions_table(full) if r["dest"].startswith(("muon_", "dmuon_"))]
 # The 'dmuon' section of --help (full.format_help() itself fails on Megatron-LM 0.19.2's
 # own help strings: one has an unescaped '%').
@@ -245,6 +251,28 @@ CASES = {
     "zero3_no_overlap": GOOD + ["--dmuon-placement", "matrix", "--dmuon-zero3"],
     "zero3_params_norm": GOOD + ["--dmuon-placement", "matrix", "--dmuon-zero3",
                                  "--overlap-grad-reduce", "--log-params-norm"],
+    # PEFT (--lora-*, --optimizer smuon, --relora-*)
+    "lora_smuon": ["--optimizer", "smuon", "--lora-rank", "8", "--use-distributed-optimizer",
+                   "--overlap-grad-reduce", "--overlap-param-gather",
+                   "--lora-target-modules", "linear_qkv,linear_proj", "linear_fc2"],
+    "lora_adam": ["--optimizer", "adam", "--lora-rank", "8", "--use-distributed-optimizer"],
+    "lora_dmuon": GOOD + ["--lora-rank", "8"],
+    "lora_relora": ["--optimizer", "smuon", "--lora-rank", "8", "--relora-interval", "10",
+                    "--relora-reset", "prune"],
+    "smuon_no_lora": ["--optimizer", "smuon"],
+    "relora_no_lora": ["--relora-interval", "5"],
+    "lora_zero3": GOOD + ["--dmuon-placement", "matrix", "--dmuon-zero3",
+                          "--overlap-grad-reduce", "--lora-rank", "8"],
+    "smuon_dmuon_flag": ["--optimizer", "smuon", "--lora-rank", "8", "--dmuon-plan-cost",
+                         "tuner"],
+    "relora_dmuon": GOOD + ["--lora-rank", "8", "--relora-interval", "5"],
+    "lora_dropout": ["--lora-rank", "8", "--lora-dropout", "0.1"],
+    "lora_bad_target": ["--lora-rank", "8", "--lora-target-modules", "linear-qkv"],
+    "lora_bad_rank": ["--lora-rank", "-2"],
+    "smuon_fp16": ["--optimizer", "smuon", "--lora-rank", "8", "--fp16"],
+    "smuon_flag_adam": ["--lora-rank", "8", "--smuon-damping", "1e-3"],
+    "relora_bad_reset": ["--optimizer", "smuon", "--lora-rank", "8", "--relora-interval", "5",
+                         "--relora-reset", "bogus"],
 }
 
 
@@ -314,6 +342,74 @@ def test_patched_parser_maps_megatron_muon_flags(parsed):
                        ("tp_distributed", "exact")):
         assert parsed[case]["status"] == "ok", parsed[case]
         assert parsed[case]["config"]["tp_mode"] == mode, case
+
+
+@needs_training
+@pytest.mark.timeout(300)
+def test_patched_parser_accepts_peft(parsed):
+    """--lora-rank with smuon, adam and dmuon; sMuon switches the distributed optimizer (and
+    its param gather) off, as Megatron-LM's --freeze-all-layers does; with the distributed
+    optimizer the checkpoints are fully reshardable (adapters resume at another TP / PP)."""
+    smuon = parsed["lora_smuon"]
+    assert smuon["status"] == "ok", smuon
+    assert (smuon["optimizer"], smuon["lora_rank"], smuon["use_distributed_optimizer"],
+            smuon["overlap_param_gather"], smuon["layer_wise"]) == ("smuon", 8, False, False,
+                                                                     False)
+    assert smuon["lora_target_modules"] == ["linear_qkv", "linear_proj", "linear_fc2"]
+    adam = parsed["lora_adam"]
+    assert adam["status"] == "ok" and adam["use_distributed_optimizer"] is True, adam
+    assert adam["dist_ckpt_optim_fully_reshardable"] is True
+    assert adam["lora_target_modules"] == ["linear_qkv", "linear_proj", "linear_fc1",
+                                           "linear_fc2"]  # Megatron-Bridge's default
+    assert parsed["lora_dmuon"]["status"] == "ok" and parsed["lora_dmuon"]["config"]
+    assert parsed["lora_relora"]["status"] == "ok", parsed["lora_relora"]
+    assert "peft" in parsed["_groups"]
+
+
+@needs_training
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case,message", [
+    ("smuon_no_lora", "--optimizer smuon trains LoRA adapters: add --lora-rank R"),
+    ("relora_no_lora", "--relora-interval needs LoRA: add --lora-rank R"),
+    ("lora_zero3", "--dmuon-placement matrix / --dmuon-zero3 place the full weights"),
+    ("smuon_dmuon_flag", "--dmuon-plan-cost is a dmuon flag; --optimizer smuon does not read it"),
+    ("relora_dmuon", "--relora-interval needs --optimizer smuon or adam"),
+    ("lora_dropout", "--lora-dropout 0.1: dropout on the adapter input is not supported"),
+    ("lora_bad_target", "--lora-target-modules 'linear-qkv' is not a module name"),
+    ("lora_bad_rank", "--lora-rank must be an integer >= 1, got -2"),
+    ("smuon_fp16", "--fp16 needs a loss scaler"),
+    ("smuon_flag_adam", "--smuon-damping is read only by --optimizer smuon"),
+])
+def test_patched_parser_refuses_peft_combinations(parsed, case, message):
+    got = parsed[case]
+    assert got["status"] == "invalid", got
+    assert message in got["message"] and "\n" not in got["message"], got["message"]
+
+
+@needs_training
+@pytest.mark.timeout(300)
+def test_patched_parser_rejects_an_unknown_relora_reset(parsed):
+    got = parsed["relora_bad_reset"]
+    assert got["status"] == "argparse" and "--relora-reset: invalid choice" in got["message"]
+
+
+@needs_training
+@pytest.mark.timeout(300)
+def test_megatron_flags_doc_lists_every_peft_flag(parsed):
+    """docs/megatron_flags.md's PEFT table names exactly the flags of the patched parser's
+    'peft' group (plus --optimizer smuon)."""
+    import re
+
+    text = (REPO / "docs" / "megatron_flags.md").read_text()
+    heading = "## PEFT flags"
+    assert heading in text
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
+    documented = set()
+    for line in section.splitlines():
+        if line.startswith("| `--"):
+            documented.update(re.findall(r"`(--[a-z0-9][a-z0-9-]*)", line.split("|")[1]))
+    flags = {o for options in parsed["_peft"] for o in options}
+    assert flags and documented - {"--optimizer"} == flags, (documented ^ flags)
 
 
 def _actions_table(parser):
@@ -409,7 +505,7 @@ import megatron.training.arguments as A
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "5"]
-for extra in ([], ["--dmuon-placement", "matrix"], ["--no-dmuon-overlap"]):
+for extra in ([], ["--dmuon-placement", "matrix"], ["--no-dmuon-overlap"], ["--lora-rank", "4"]):
     sys.argv = ["pretrain_gpt.py"] + BASE + extra
     try:
         with contextlib.redirect_stdout(io.StringIO()):
@@ -434,6 +530,7 @@ def test_patched_parser_without_the_package_names_it(patched_tree):
         "PARSED adam",
         "IMPORTERROR --dmuon-placement needs the megatron-muon package (pip install megatron-muon)",
         "IMPORTERROR --no-dmuon-overlap needs the megatron-muon package (pip install megatron-muon)",
+        "IMPORTERROR --lora-rank needs the megatron-muon package (pip install megatron-muon)",
     ], out.stdout[-3000:] + out.stderr[-3000:]
 
 
@@ -512,6 +609,82 @@ def test_patched_training_builds_dmuon_optimizer(patched_tree, placement):
         "DMuonOptimizerConfig", "dmuon", "simple", "OptimizerParamScheduler",
         "_ParamAndGradBuffer" if placement == "dmuon" else "MatrixPlacedBuffer", extra[1],
         "zero3" if placement == "zero3" else "zero1"]
+
+
+_LORA_SETUP_DRIVER = _SETUP_DRIVER.split("sys.argv = [")[0] + r"""
+sys.argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
+    "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "5",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--mock-data",
+    "--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--no-bias-dropout-fusion",
+    "--no-masked-softmax-fusion", "--no-persist-layer-norm", "--no-rope-fusion",
+    "--transformer-impl", "local", "--position-embedding-type", "rope",
+    "--untie-embeddings-and-output-weights", "--use-distributed-optimizer",
+    "--lora-rank", "4"] + EXTRA
+args = A.parse_args()
+A.validate_args(args)
+set_global_variables(args, build_tokenizer=False)
+ps.initialize_model_parallel(1, 1)
+model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, **kwargs):
+    cfg = A.core_transformer_config_from_args(get_args())
+    return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=256,
+                    max_sequence_length=32, pre_process=pre_process, post_process=post_process,
+                    share_embeddings_and_output_weights=False, position_embedding_type="rope")
+
+try:
+    model, optimizer, scheduler = T.setup_model_and_optimizer(ModelType.encoder_or_decoder,
+                                                              model_provider)
+except ValueError as err:
+    print("REFUSED " + str(err).replace("\n", " | "))
+    raise SystemExit(0)
+from megatron.core.utils import unwrap_model
+from megatron_muon.peft.lora import lora_adapters
+inner = unwrap_model(model[0])
+trainable = sorted(n for n, p in inner.named_parameters() if p.requires_grad)
+in_buffers = sum(len(b.params) for b in model[0].buffers)
+subs = getattr(optimizer, "chained_optimizers", [optimizer])
+params = sum(len(g["params"]) for o in subs for g in o.param_groups)
+print("SETUP", type(optimizer).__name__, len(lora_adapters(model)), len(trainable),
+      in_buffers, params, all(".lora." in n for n in trainable))
+dist.destroy_process_group()
+"""
+
+
+@needs_training
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("optimizer,expect", [
+    ("smuon", "LoRAMegatronOptimizer"), ("adam", "ChainedOptimizer"),
+    ("bogus_target", "REFUSED"), ("unknown_name", "REFUSED")])
+def test_patched_training_builds_lora_models(patched_tree, optimizer, expect):
+    """Megatron-LM's setup_model_and_optimizer (get_model path), patched, on one CPU rank:
+    adapters on the 4 x 2 linear layers before DDP wraps the model, so DDP's buffers and the
+    optimizer hold the 16 adapter factors only (the frozen base has no gradient buffer and no
+    optimizer state); sMuon is LoRAMegatronOptimizer, Adam Megatron's own.  A target that
+    names no module, or a module that is not a linear layer, is refused in one line."""
+    from megatron_muon.testing.launch import rank_env, rendezvous_store
+
+    store = rendezvous_store()
+    env = dict(os.environ, **rank_env(0, 1, store), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(patched_tree), str(REPO),
+                                           os.environ.get("PYTHONPATH", "")]))
+    extra = {"smuon": ["--optimizer", "smuon"], "adam": ["--optimizer", "adam"],
+             "bogus_target": ["--lora-target-modules", "linear_qkv,self_attention"],
+             "unknown_name": ["--lora-target-modules", "linear_qkvv"]}[optimizer]
+    driver = _LORA_SETUP_DRIVER.replace("+ EXTRA", f"+ {extra!r}")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", driver], capture_output=True,
+                         text=True, timeout=240, env=env)
+    lines = [l for l in out.stdout.splitlines() if l.startswith(("SETUP ", "REFUSED "))]
+    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
+    got = lines[-1].split()
+    if expect == "REFUSED":
+        assert got[0] == "REFUSED", lines
+        assert "--lora-target-modules" in lines[-1]
+        assert ("not a linear layer" if optimizer == "bogus_target"
+                else "unknown LoRA target 'linear_qkvv'") in lines[-1], lines
+        return
+    assert got[1:] == [expect, "8", "16", "16", "16", "True"], lines
 
 
 # --------------------------------------------------------------------------- plain argparse
@@ -642,3 +815,65 @@ def test_megatron_lm_muon_tp_mode_counts_only_when_given():
         args = p.parse_args(base + argv)
         assert dmuon_config_from_args(args).dmuon_tp_mode == mode, argv
     assert p.parse_args([]).muon_tp_mode == "blockwise"  # Megatron's own default is kept
+
+
+# --------------------------------------------------------------------------- PEFT, plain argparse
+def _peft_parser():
+    from megatron_muon.megatron.peft_adapter import add_peft_args
+
+    p = _plain_parser()
+    p.add_argument("--fp16", action="store_true")
+    p.add_argument("--seed", type=int, default=1234)
+    return add_peft_args(add_peft_args(p))  # idempotent
+
+
+def test_add_peft_args_on_a_plain_parser():
+    from megatron_muon.megatron.peft_adapter import (DEFAULT_TARGET_MODULES, PEFT_ARGUMENTS,
+                                                     validate_peft_args)
+
+    p = _peft_parser()
+    assert set(PEFT_ARGUMENTS) <= {a.dest for a in p._actions}
+    assert "smuon" in p._option_string_actions["--optimizer"].choices
+    a = p.parse_args(["--optimizer", "smuon", "--lora-rank", "8", "--use-distributed-optimizer",
+                      "--lora-target-modules", "linear_qkv,linear_proj", "experts"])
+    assert validate_peft_args(a) is a
+    assert a.use_distributed_optimizer is False  # sMuon reads all-reduced gradients
+    assert a.lora_target_modules == ["linear_qkv", "linear_proj", "experts"]
+    d = p.parse_args([])
+    assert (d.lora_rank, d.lora_alpha, d.lora_dropout, d.relora_interval) == (None, 32.0, 0.0, 0)
+    assert d.lora_target_modules == list(DEFAULT_TARGET_MODULES)
+    assert validate_peft_args(d) is d  # no LoRA: nothing to check
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--optimizer", "smuon"], "--optimizer smuon trains LoRA adapters: add --lora-rank R"),
+    (["--lora-save-base"], "--lora-save-base needs LoRA: add --lora-rank R"),
+    (["--lora-rank", "0", "--relora-interval", "3"], "--relora-interval needs LoRA"),
+    (["--lora-rank", "4", "--lora-alpha", "nan"], "--lora-alpha must be a finite number > 0"),
+    (["--lora-rank", "4", "--lora-target-modules", ""], "--lora-target-modules is empty"),
+    (["--lora-rank", "4", "--optimizer", "dmuon", "--dmuon-zero3"],
+     "--dmuon-placement matrix / --dmuon-zero3"),
+    (["--lora-rank", "4", "--optimizer", "smuon", "--dmuon-locality-slack", "2"],
+     "--dmuon-locality-slack is a dmuon flag"),
+    (["--lora-rank", "4", "--smuon-work", "replicate"],
+     "--smuon-work is read only by --optimizer smuon"),
+    (["--lora-rank", "4", "--optimizer", "smuon", "--relora-interval", "5",
+      "--relora-prune-ratio", "2"], "--relora-reset / --relora-prune-ratio"),
+    (["--lora-rank", "4", "--optimizer", "smuon", "--fp16"], "--fp16 needs a loss scaler"),
+])
+def test_validate_peft_args_messages(argv, message):
+    from megatron_muon.megatron.peft_adapter import PEFTArgumentError, validate_peft_args
+
+    args = _peft_parser().parse_args(argv)
+    with pytest.raises(PEFTArgumentError) as err:
+        validate_peft_args(args)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_validate_peft_args_refuses_other_checkpoint_formats():
+    from megatron_muon.megatron.peft_adapter import PEFTArgumentError, validate_peft_args
+
+    args = _peft_parser().parse_args(["--lora-rank", "4"])
+    args.ckpt_format, args.save = "torch", "ckpt"
+    with pytest.raises(PEFTArgumentError, match="LoRA checkpoints need --ckpt-format torch_dist"):
+        validate_peft_args(args)

@@ -11,7 +11,9 @@ With ``MLM_GPT_RUNS=spec.json`` it runs several trainings in one launch (tests: 
 imports and process start dominate a tiny run on CPU): ``{"out": DIR, "runs": [[name,
 [extra args]], ...]}``; each run gets the command line's arguments plus its own, its
 stdout goes to ``DIR/<name>.rank<R>.log`` and its per-iteration loss (full precision,
-reduced over data parallel like Megatron-LM's ``lm loss``) to ``DIR/<name>.json``.
+reduced over data parallel like Megatron-LM's ``lm loss``) to ``DIR/<name>.json``.  A run
+whose arguments are a dict is a step between trainings instead (``{"merge": {...}}``:
+``python -m megatron_muon.peft.merge`` on rank 0, ``_run_step``).
 Between runs Megatron-LM's global state is reset (``unset_global_variables``,
 ``destroy_rerun_state_machine``, ``destroy_model_parallel``).
 
@@ -137,6 +139,32 @@ def _reset_megatron() -> None:
     mpu.destroy_model_parallel()
 
 
+def _run_step(name: str, step: dict, out: Path, rank: int) -> None:
+    """``{"merge": {"base": ..., "adapters": ..., "out": ...}}``: global rank 0 runs
+    ``python -m megatron_muon.peft.merge`` (a process of its own: one gloo rank), its output
+    to ``DIR/<name>.log``; the other ranks wait for it."""
+    import subprocess
+
+    (kind, options), = step.items()
+    if kind != "merge":
+        raise ValueError(f"mlm_gpt: unknown step {kind!r}")
+    code = torch.zeros(1)
+    if rank == 0 or not torch.distributed.is_initialized():
+        cmd = [sys.executable, "-m", "megatron_muon.peft.merge"]
+        for key, value in options.items():
+            cmd += [f"--{key.replace('_', '-')}", str(value)]
+        with open(out / f"{name}.log", "w") as log:
+            code[0] = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                     timeout=600).returncode
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast(code, src=0)
+    if code.item() != 0:
+        raise RuntimeError(f"mlm_gpt: step {name!r} failed (exit code {int(code.item())}), "
+                           f"see {out / (name + '.log')}")
+    if rank == 0:
+        (out / f"{name}.json").write_text(json.dumps({"step": kind, "returncode": 0}))
+
+
 def run_many(spec_path: str) -> None:
     from megatron_muon.megatron.cpu_mode import cpu_mode_active
     from megatron_muon.megatron.cpu_run import with_cpu_defaults
@@ -146,6 +174,9 @@ def run_many(spec_path: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     common = sys.argv[1:]
     for name, extra in spec["runs"]:
+        if isinstance(extra, dict):  # a step between trainings, e.g. {"merge": {...}}
+            _run_step(name, extra, out, rank)
+            continue
         argv = common + list(extra)
         sys.argv = [sys.argv[0]] + (with_cpu_defaults(argv) if cpu_mode_active() else argv)
         _RECORDED.clear()
