@@ -72,8 +72,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pretrain_gpt  # noqa: E402  (ByteTokenizer, EOD, warning filters: one byte vocabulary)
 
-OPTIMIZERS = ("smuon", "adam", "muon_factors")
-DEFAULT_LR = {"smuon": 0.01, "adam": 0.01, "muon_factors": 0.01}
+OPTIMIZERS = ("smuon", "adam", "muon_factors")  # --optimizer all
+EXTRA_OPTIMIZERS = ("riemannion",)  # selectable, not in "all" (not swept on this setup)
+DEFAULT_LR = {"smuon": 0.01, "adam": 0.01, "muon_factors": 0.01, "riemannion": 0.01}
 UsageError = pretrain_gpt.UsageError
 
 
@@ -113,8 +114,11 @@ def get_args(argv=None) -> argparse.Namespace:
                    help="write <out-dir>/adapter-<optimizer>.pt (TP-independent)")
 
     g = p.add_argument_group("training")
-    g.add_argument("--optimizer", choices=OPTIMIZERS + ("all",), default="all",
-                   help="optimizer of the adapters; all: one run of each, compared")
+    g.add_argument("--optimizer", choices=OPTIMIZERS + EXTRA_OPTIMIZERS + ("all",),
+                   default="all",
+                   help="optimizer of the adapters (riemannion: Muon on the rank-r manifold, "
+                        "docs/relora.md#riemannion); all: one run each of "
+                        + ", ".join(OPTIMIZERS) + ", compared")
     g.add_argument("--lr", type=float, default=None,
                    help="default per optimizer: " + ", ".join(f"{k} {v:g}"
                                                               for k, v in DEFAULT_LR.items()))
@@ -503,7 +507,7 @@ def finetune(args, name: str, arch: dict, ckpt: str, train_set, eval_set, say) -
                 start=curve[0][1], final=curve[-1][1], best=min(v for _, v in curve),
                 train_last10=sum(train_losses[-10:]) / len(train_losses[-10:]),
                 fwd_bwd_ms=1e3 * median(t_fb), optimizer_ms=1e3 * median(t_opt),
-                lora_params=n_lora)
+                fwd_bwd_s=t_fb, opt_s=t_opt, lora_params=n_lora)
 
 
 def train(args) -> None:

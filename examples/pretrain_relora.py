@@ -11,7 +11,7 @@ The recipe (docs/relora.md):
    (``--lora-targets``); those base weights are frozen between merges, while embeddings,
    norms and the output layer are trained at full rank with AdamW (``--dense-lr``; off with
    ``--no-train-dense``);
-3. the adapters' optimizer ``--optimizer smuon | adam | muon_factors``
+3. the adapters' optimizer ``--optimizer smuon | adam | muon_factors | riemannion``
    (``megatron_muon.peft.lora_optimizer.LoRAOptimizer``: TP-aware, sMuon's direction work
    balanced over the TP ranks);
 4. every ``--relora-every`` steps (``megatron_muon.peft.relora.ReLoRA``): merge the adapters
@@ -57,8 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import finetune_lora  # noqa: E402  (base model build / load, batches, forward-backward)
 import pretrain_gpt  # noqa: E402  (corpus, dataset, sampler order, launcher conventions)
 
-OPTIMIZERS = ("smuon", "adam", "muon_factors")
-DEFAULT_LR = {"smuon": 0.02, "adam": 3e-3, "muon_factors": 0.02}
+OPTIMIZERS = ("smuon", "adam", "muon_factors", "riemannion")
+DEFAULT_LR = {"smuon": 0.02, "adam": 3e-3, "muon_factors": 0.02, "riemannion": 0.02}
 UsageError = pretrain_gpt.UsageError
 
 
@@ -72,7 +72,7 @@ def get_args(argv=None) -> argparse.Namespace:
 
     p = pretrain_gpt._ArgumentParser(
         description="ReLoRA low-rank pretraining of a GPT (Megatron-Core) with sMuon / AdamW "
-                    "/ per-factor Muon adapters.",
+                    "/ per-factor Muon / Riemannion adapters.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=2)
@@ -123,7 +123,7 @@ def get_args(argv=None) -> argparse.Namespace:
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--muon-momentum", type=float, default=0.95)
     g.add_argument("--muon-extra-scale-factor", type=float, default=0.2,
-                   help="spectral scale x this (sMuon and per-factor Muon)")
+                   help="spectral scale x this (sMuon, Riemannion and per-factor Muon)")
     g.add_argument("--smuon-work", choices=("distribute", "replicate"), default="distribute")
     g.add_argument("--seed", type=int, default=1234)
     g = p.add_argument_group("data, checkpoints, logging")

@@ -16,6 +16,8 @@ _LAZY = {
     "DMuonDistributedOptimizer": "megatron_muon.megatron.dmuon",
     "smuon_direction": "megatron_muon.peft.smuon",
     "SMuon": "megatron_muon.peft.smuon",
+    "riemannion_update": "megatron_muon.peft.riemannion",
+    "Riemannion": "megatron_muon.peft.riemannion",
     "iso_c": "megatron_muon.islands.isoloco",
     "apply_lora": "megatron_muon.peft.lora",
     "LoRAConfig": "megatron_muon.peft.lora",

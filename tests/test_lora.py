@@ -1,8 +1,8 @@
 """LoRA for Megatron's parallel linear layers (docs/design.md#smuon-and-lora): TP layouts, merge, checkpoints, errors.
 
 Three launches: a TP2 x DP2 run (gloo, 4 ranks) that trains adapters with sMuon (distributed and
-replicated direction work, with and without sequence parallelism), AdamW and per-factor Muon
-and saves an adapter checkpoint and a full-model dist_checkpointing checkpoint; a PP2 run
+replicated direction work, with and without sequence parallelism), AdamW, per-factor Muon and
+Riemannion (distributed and replicated) and saves an adapter checkpoint and a full-model dist_checkpointing checkpoint; a PP2 run
 (2 ranks) that trains with sMuon and saves an adapter checkpoint; then one TP1 process that
 trains the same adapters on the same data, checks B = 0 / merge / unmerge, loads the TP2
 and PP2 checkpoints, and collects error messages.  The tiny GPT uses SwiGLU, so the gated fc1 layout ([gate_t; up_t] shards) is
@@ -28,12 +28,14 @@ RUNS_TP1 = {
     "smuon": {},
     "adam": {"optimizer": "adam", "opt": {"lr": 3e-3}},
     "muon_factors": {"optimizer": "muon_factors"},
+    "riemannion": {"optimizer": "riemannion"},
 }
 RUNS_TP2 = {
     **RUNS_TP1,
     "smuon_replicate": {"okw": {"smuon_work": "replicate"}},
     "smuon_tp_dp": {"okw": {"work_group": "tp_dp"}},  # owners spread over TP x DP
     "smuon_sp": {"cfg_extra": {"sequence_parallel": True}},
+    "riemannion_replicate": {"optimizer": "riemannion", "okw": {"smuon_work": "replicate"}},
 }
 N_ADAPTERS = 16  # 4 layers x (qkv, proj, fc1, fc2)
 
@@ -105,19 +107,35 @@ def test_merge_unmerge_round_trip(tp1):
     assert "unmerge the adapter before loading" in tp1["load_while_merged"]
 
 
+def _invariants(run: dict) -> tuple[dict, dict]:
+    """What Riemannion defines: per adapter the product B A (the factors themselves are an
+    SVD gauge, unique only up to a rotation among near-equal singular values: after the
+    first step from B = 0 all r are equal), and the last step's gradient terms G_B A and
+    B G_A at the factors it was taken at (unchanged by a rotation B Q, Q^T A)."""
+    prods = {k: (B @ A,) for k, (A, B) in run["factors"].items()}
+    grads = {k: (gB @ run["pre_factors"][k][0], run["pre_factors"][k][1] @ gA)
+             for k, (gA, gB) in run["grads"].items()}
+    return prods, grads
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("run", ["smuon", "smuon_sp", "adam", "muon_factors"])
+@pytest.mark.parametrize("run", ["smuon", "smuon_sp", "adam", "muon_factors", "riemannion"])
 def test_tp2_matches_tp1(tp1, tp2, run):
     """Same data, same init: the TP2 adapters (gathered) equal the TP1 ones after 4 steps."""
     ref = tp1["runs"]["smuon" if run == "smuon_sp" else run]
     for rank_result in tp2:  # every TP and DP rank holds the same full adapters
         got = rank_result["runs"][run]
         assert len(got["factors"]) == N_ADAPTERS
-        # gradients first: the normalised optimizers would hide a wrong gradient scale
-        assert _max_rel(got["grads"], ref["grads"]) < 1e-4  # observed 1.4e-5 (adam)
-        # AdamW's first steps are ~lr * sign(g): entries with tiny gradients amplify the
-        # fp32 summation-order noise (observed 9e-5 for adam, 3e-6 for the Muon ones)
-        assert _max_rel(got["factors"], ref["factors"]) < (1e-3 if run == "adam" else 1e-4)
+        if run == "riemannion":  # compare what the optimizer defines (see _invariants)
+            (p_got, g_got), (p_ref, g_ref) = _invariants(got), _invariants(ref)
+            assert _max_rel(g_got, g_ref) < 1e-4
+            assert _max_rel(p_got, p_ref) < 1e-4
+        else:
+            # gradients first: the normalised optimizers would hide a wrong gradient scale
+            assert _max_rel(got["grads"], ref["grads"]) < 1e-4  # observed 1.4e-5 (adam)
+            # AdamW's first steps are ~lr * sign(g): entries with tiny gradients amplify the
+            # fp32 summation-order noise (observed 9e-5 for adam, 3e-6 for the Muon ones)
+            assert _max_rel(got["factors"], ref["factors"]) < (1e-3 if run == "adam" else 1e-4)
         assert float((got["outputs"] - ref["outputs"]).abs().max()) < 1e-5
     # each DP rank reports the loss of its half of the global batch
     dp = [r["runs"][run]["losses"] for r in tp2 if r["layout"]["tp"] == 0]
@@ -129,16 +147,23 @@ def test_tp2_matches_tp1(tp1, tp2, run):
 
 @pytest.mark.timeout(300)
 def test_distributed_smuon_equals_replicated(tp2):
-    """Owners over TP, owners over TP x DP and replicated work: bitwise the same update."""
+    """Owners over TP, owners over TP x DP and replicated work: bitwise the same update
+    (sMuon, and Riemannion, whose owners send the new factors and momentum state)."""
     for r in tp2:
-        repl = r["runs"]["smuon_replicate"]
-        for name in ("smuon", "smuon_tp_dp"):
+        for name, replicate in (("smuon", "smuon_replicate"), ("smuon_tp_dp", "smuon_replicate"),
+                                ("riemannion", "riemannion_replicate")):
+            repl = r["runs"][replicate]
             run = r["runs"][name]
             for k in run["factors"]:
                 for x, y in zip(run["factors"][k], repl["factors"][k]):
                     assert torch.equal(x, y), (name, k)
+            # and every rank holds the replicated optimizer state (non-owners included)
+            assert run["inner_state"].keys() == repl["inner_state"].keys()
+            for k, st in run["inner_state"].items():
+                for key, t in st.items():
+                    assert torch.equal(t, repl["inner_state"][k][key]), (name, k, key)
             assert "exchange_s" in run["timing"]
-        assert "exchange_s" not in repl["timing"]
+            assert "exchange_s" not in repl["timing"]
 
 
 @pytest.mark.timeout(300)

@@ -185,3 +185,31 @@ def test_compare_relora_table_pairs_seeds():
     # b - a per seed: +0.25, +0.75
     assert lines[-1] == ("paired, best LR minus a's best LR, per seed: "
                          "b +0.5000 +- 0.3536 [+0.2500, +0.7500] (2 seeds)")
+
+
+def test_compare_relora_time_to_target():
+    """tools/compare_relora.py's time-to-target table: the target is the worst optimizer's
+    best mean final held-out loss; each optimizer at its best LR is timed to its first
+    evaluation at or below it, summing the logged per-step times before that iteration."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "compare_relora", Path(__file__).resolve().parents[1] / "tools" / "compare_relora.py")
+    cr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cr)
+
+    def rec(o, lr, s, curve, step=1.0, opt=0.25):
+        return dict(part="pretrain", optimizer=o, lr=lr, seed=s, heldout=curve[-1][1],
+                    opt_ms=1.0, train_s=1.0, curve=curve, step_s=[step] * 4,
+                    step_opt_s=[opt] * 4)
+
+    rs = [rec("a", 0.1, 1, [(0, 5.0), (2, 2.0), (4, 1.0)]),  # a's best: 1.0
+          rec("a", 0.2, 1, [(0, 5.0), (2, 4.0), (4, 3.5)]),
+          rec("b", 0.1, 1, [(0, 5.0), (2, 3.0), (4, 2.5)], step=2.0, opt=1.0)]  # worst best
+    lines = cr.time_to_target(rs).splitlines()
+    assert "target held-out loss 2.5000" in lines[1]
+    # a reaches 2.5 at iteration 2 (2 steps of 1 s, 0.25 s optimizer each); b at 4
+    assert lines[4] == "| a            | 0.1      |   1/1   |       2.0 |     2.0 |    0.50 |"
+    assert lines[5] == "| b            | 0.1      |   1/1   |       4.0 |     8.0 |    4.00 |"
+    assert cr.reach(rs[1], 2.5) is None

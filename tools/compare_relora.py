@@ -4,18 +4,31 @@
 Two parts (``--parts``), each run as subprocesses of the repository's own recipes:
 
 * ``pretrain``: ReLoRA (``examples/pretrain_relora.py``) with adapters under smuon / adam /
-  muon_factors, against full-rank dmuon and AdamW (``examples/pretrain_gpt.py --save``, its
-  held-out loss then measured by ``pretrain_relora.py --load-base DIR --train-iters 0`` on
-  the same held-out samples).  Same model, data order, batch and iterations: equal tokens.
+  muon_factors / riemannion, against full-rank dmuon and AdamW (``examples/pretrain_gpt.py
+  --save``, its held-out loss then measured by ``pretrain_relora.py --load-base DIR
+  --train-iters 0`` on the same held-out samples).  Same model, data order, batch and iterations: equal tokens.
 * ``finetune``: a base pretrained with dmuon and one pretrained with AdamW
   (``pretrain_gpt.py``, ``--base-iters``), each fine-tuned with LoRA under smuon / adam /
-  muon_factors (``examples/finetune_lora.py``, its C-header domain, held-out loss).
+  muon_factors / riemannion (``examples/finetune_lora.py``, its C-header domain, held-out
+  loss).
 
 Every optimizer gets its own LR grid: ``--lr-multipliers`` times its default LR (or
 ``--lrs NAME=a,b,...``), for every seed of ``--seeds``.  Results: ``--out-dir``/results.json
-(every run), a table (per optimizer: mean and spread over seeds at each LR, best LR), and
-``compare_relora.png`` when matplotlib imports.  Runs already in ``--out-dir`` are reused, so
-a larger grid extends a smaller one.
+(every run), a table (per optimizer: mean and spread over seeds at each LR, best LR), a
+time-to-target table (below), and ``compare_relora.png`` when matplotlib imports.
+
+Time to target, per part: the target is the *worst* optimizer's best mean final held-out
+loss (so every optimizer reaches it at its best LR, at the latest at the end); for each
+optimizer at its best LR and each seed, the first held-out evaluation at or below the target
+gives the iteration, and the per-step times logged by the run, summed up to that iteration,
+give the training wall time (forward-backward + optimizer + merges; evaluations excluded)
+and the optimizer-step time.  The resolution is the evaluation interval (``--eval-points``
+evaluations per run).  Full-rank runs are evaluated only at the end, so theirs is the whole
+run's time.  The runs of one job run one after another: their times are comparable only as
+far as the machine's load stayed the same.
+
+Runs already in ``--out-dir`` are reused (whatever ``--eval-points`` they ran with), so a
+larger grid extends a smaller one.
 
     python tools/compare_relora.py                       # 1 rank, small grid (see --help)
     python tools/compare_relora.py --seeds 1 2 3 --lr-multipliers 0.25 0.5 1 2 4
@@ -25,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -33,11 +45,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PRETRAIN = ("smuon", "adam", "muon_factors", "full_dmuon", "full_adam")
-FINETUNE = ("smuon", "adam", "muon_factors")
-DEFAULT_LR = {"smuon": 0.02, "adam": 3e-3, "muon_factors": 0.02, "full_dmuon": 3e-3,
-              "full_adam": 3e-3}
-FT_DEFAULT_LR = {"smuon": 0.01, "adam": 0.01, "muon_factors": 0.01}
+PRETRAIN = ("smuon", "adam", "muon_factors", "riemannion", "full_dmuon", "full_adam")
+FINETUNE = ("smuon", "adam", "muon_factors", "riemannion")
+DEFAULT_LR = {"smuon": 0.02, "adam": 3e-3, "muon_factors": 0.02, "riemannion": 0.02,
+              "full_dmuon": 3e-3, "full_adam": 3e-3}
+FT_DEFAULT_LR = {"smuon": 0.01, "adam": 0.01, "muon_factors": 0.01, "riemannion": 0.01}
 
 
 def get_args(argv=None):
@@ -66,12 +78,17 @@ def get_args(argv=None):
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--eval-samples", type=int, default=128)
+    p.add_argument("--eval-points", type=int, default=None,
+                   help="held-out evaluations per run (default: 4 per ReLoRA run, 3 per "
+                        "fine-tuning run), the resolution of the time-to-target table")
     p.add_argument("--out-dir", default=str(REPO / "runs" / "compare_relora"))
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     args = p.parse_args(argv)
     bad = [o for o in args.optimizers if o not in PRETRAIN]
     if bad:
         p.error(f"unknown pretraining optimizer(s) {bad}; choose from {list(PRETRAIN)}")
+    if args.eval_points is not None and args.eval_points < 1:
+        p.error("--eval-points must be >= 1")
     if any(m <= 0 for m in args.lr_multipliers) or not args.seeds:
         p.error("--lr-multipliers must be > 0 and --seeds non-empty")
     grids = {}
@@ -130,7 +147,6 @@ def part_pretrain(args, out: Path) -> list[dict]:
             for seed in args.seeds:
                 tag = f"pt-{name}-lr{lr:g}-s{seed}"
                 js = out / "logs" / f"{tag}.json"
-                t = time.perf_counter()
                 if name.startswith("full_"):
                     ck = pretrain_full(args, out, name[5:], lr, seed, args.train_iters, tag)
                     ev = out / "logs" / f"{tag}-eval.json"
@@ -142,11 +158,16 @@ def part_pretrain(args, out: Path) -> list[dict]:
                             args.dry_run)
                     if args.dry_run:
                         continue
-                    s = json.loads(js.read_text())["summary"]
+                    d = json.loads(js.read_text())
+                    s = d["summary"]
                     e = json.loads(ev.read_text())["summary"]
                     rec = dict(heldout=e["final_heldout"], train_last10=s["mean_loss_last_10"],
                                opt_ms=s["optimizer_ms"], fwd_bwd_ms=s["fwd_bwd_ms"],
-                               train_s=s["train_s"])
+                               train_s=s["train_s"],
+                               curve=[(args.train_iters, e["final_heldout"])],
+                               step_s=[1e-3 * (r["fwd_bwd_ms"] + r["optimizer_ms"])
+                                       for r in d["steps"]],
+                               step_opt_s=[1e-3 * r["optimizer_ms"] for r in d["steps"]])
                 else:
                     if not js.is_file():
                         run([sys.executable, str(REPO / "examples" / "pretrain_relora.py"),
@@ -158,7 +179,8 @@ def part_pretrain(args, out: Path) -> list[dict]:
                              "--lora-rank", str(args.lora_rank),
                              "--lora-alpha", str(args.lora_alpha),
                              "--eval-samples", str(args.eval_samples),
-                             "--eval-interval", str(max(1, args.train_iters // 4)),
+                             "--eval-interval",
+                             str(max(1, args.train_iters // (args.eval_points or 4))),
                              "--log-interval", str(max(1, args.train_iters // 5)),
                              "--log-json", str(js)], out / "logs" / f"{tag}.log", args.dry_run)
                     if args.dry_run:
@@ -167,7 +189,10 @@ def part_pretrain(args, out: Path) -> list[dict]:
                     s = d["summary"]
                     rec = dict(heldout=s["final_heldout"], train_last10=s["last_loss"],
                                opt_ms=s["opt_ms"], fwd_bwd_ms=s["fwd_bwd_ms"],
-                               train_s=s["train_s"], curve=d["heldout"])
+                               train_s=s["train_s"], curve=d["heldout"],
+                               step_s=[a + b + c for a, b, c in zip(
+                                   d["fwd_bwd_s"], d["opt_s"], d["restart_s"])],
+                               step_opt_s=d["opt_s"])
                 records.append(dict(part="pretrain", optimizer=name, lr=lr, seed=seed, **rec))
     return records
 
@@ -187,7 +212,8 @@ def part_finetune(args, out: Path) -> list[dict]:
                              "--load", str(ck), "--optimizer", name, "--lr", str(lr),
                              "--seed", str(seed), "--train-iters", str(args.ft_iters),
                              "--lora-rank", str(args.ft_lora_rank),
-                             "--eval-interval", str(max(1, args.ft_iters // 3)),
+                             "--eval-interval",
+                             str(max(1, args.ft_iters // (args.eval_points or 3))),
                              "--log-interval", str(args.ft_iters), "--out-dir", str(d)],
                             out / "logs" / f"{tag}.log", args.dry_run)
                     if args.dry_run:
@@ -196,7 +222,10 @@ def part_finetune(args, out: Path) -> list[dict]:
                     records.append(dict(part=f"finetune-{base}-base", optimizer=name, lr=lr,
                                         seed=seed, heldout=r["final"], base_heldout=r["start"],
                                         opt_ms=r["optimizer_ms"], fwd_bwd_ms=r["fwd_bwd_ms"],
-                                        train_s=r["wall_s"], curve=r["curve"]))
+                                        train_s=r["wall_s"], curve=r["curve"],
+                                        step_s=[a + b for a, b in zip(r.get("fwd_bwd_s", []),
+                                                                      r.get("opt_s", []))],
+                                        step_opt_s=r.get("opt_s", [])))
     return records
 
 
@@ -247,6 +276,55 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _best_lrs(rs: list[dict]) -> dict:
+    """optimizer -> (best lr, mean held-out there), by mean final held-out loss over seeds."""
+    best = {}
+    for opt in dict.fromkeys(r["optimizer"] for r in rs):
+        for lr in sorted({r["lr"] for r in rs if r["optimizer"] == opt}):
+            m = statistics.fmean(r["heldout"] for r in rs
+                                 if r["optimizer"] == opt and r["lr"] == lr)
+            if opt not in best or m < best[opt][1]:
+                best[opt] = (lr, m)
+    return best
+
+
+def reach(rec: dict, target: float):
+    """(iteration, train s, optimizer s) of the first held-out evaluation <= target, or
+    None; the times are the run's per-step times summed over the steps before it."""
+    steps, opt = rec.get("step_s"), rec.get("step_opt_s")
+    for it, loss in rec.get("curve") or []:
+        if it >= 1 and loss <= target:
+            if not steps or len(steps) < it:
+                return it, float("nan"), float("nan")
+            return it, sum(steps[:it]), sum(opt[:it])
+    return None
+
+
+def time_to_target(records: list[dict]) -> str:
+    """Per part: every optimizer at its best LR, side by side, to the worst optimizer's best
+    mean final held-out loss (see the module docstring)."""
+    lines = []
+    for part in dict.fromkeys(r["part"] for r in records):
+        rs = [r for r in records if r["part"] == part]
+        best = _best_lrs(rs)
+        target = max(m for _, m in best.values())
+        lines += [f"\n{part}: time to the target held-out loss {target:.4f} (the worst "
+                  "optimizer's best mean final loss), each optimizer at its best LR; mean over "
+                  "the seeds that reach it",
+                  "| optimizer    | lr       | reached | iteration | train s | opt s   |",
+                  "|--------------|----------|---------|-----------|---------|---------|"]
+        for opt, (lr, _) in sorted(best.items(), key=lambda kv: kv[1][1]):
+            cell = [r for r in rs if r["optimizer"] == opt and r["lr"] == lr]
+            hits = [h for h in (reach(r, target) for r in cell) if h is not None]
+            if hits:
+                it, ts, os_ = (statistics.fmean(h[k] for h in hits) for k in range(3))
+                cols = f"{it:9.1f} | {ts:7.1f} | {os_:7.2f}"
+            else:
+                cols = f"{'-':>9} | {'-':>7} | {'-':>7}"
+            lines.append(f"| {opt:<12} | {lr:<8g} | {len(hits):3d}/{len(cell):<3d} | {cols} |")
+    return "\n".join(lines)
+
+
 def plot(records: list[dict], path: Path) -> None:
     try:
         import matplotlib
@@ -291,7 +369,7 @@ def main(argv=None) -> int:
         return 0
     config = {k: v for k, v in vars(args).items() if k != "dry_run"}
     (out / "results.json").write_text(json.dumps(dict(config=config, records=records), indent=1))
-    text = table(records)
+    text = table(records) + "\n" + time_to_target(records)
     print(text)
     (out / "table.md").write_text(text + "\n")
     plot(records, out / "compare_relora.png")

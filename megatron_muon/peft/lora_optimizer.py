@@ -1,8 +1,9 @@
-"""Optimizers for (TP-sharded) LoRA adapters: sMuon, AdamW-LoRA and per-factor Muon.
+"""Optimizers for (TP-sharded) LoRA adapters: sMuon, Riemannion, AdamW-LoRA, per-factor Muon.
 
-``LoRAOptimizer(model, "smuon" | "adam" | "muon_factors", lr=...)`` keeps an fp32 *full*
-(TP-unsharded, canonical layout) master copy of every adapter's A and B on each rank and runs
-a plain single-device optimizer on them -- :class:`~megatron_muon.peft.smuon.SMuon`,
+``LoRAOptimizer(model, "smuon" | "riemannion" | "adam" | "muon_factors", lr=...)`` keeps an
+fp32 *full* (TP-unsharded, canonical layout) master copy of every adapter's A and B on each
+rank and runs a plain single-device optimizer on them --
+:class:`~megatron_muon.peft.smuon.SMuon`, :class:`~megatron_muon.peft.riemannion.Riemannion`,
 ``torch.optim.AdamW`` or :class:`~megatron_muon.core.muon.Muon` (on A and B separately) -- so the
 maths is exactly the tested single-device maths whatever the TP layout.  Per step:
 
@@ -24,7 +25,11 @@ maths is exactly the tested single-device maths whatever the TP layout.  Per ste
    ``tools/bench_lora_smuon.py`` measured (CPU, TP2, hidden 1024): one layer set's directions
    take 4.0 / 10.9 / 81.5 ms at r = 8 / 16 / 64, the direction all-gather 1.2 / 0.8 / 3.6 ms,
    and a 2-layer step 16.0 vs 18.3, 22.4 vs 30.3, 104 vs 181 ms (distribute vs replicate):
-   the work is worth distributing at every LoRA size, hence the default.
+   the work is worth distributing at every LoRA size, hence the default.  Riemannion
+   (docs/relora.md#riemannion) uses the same machinery (``smuon_work`` applies to it too):
+   its owner computes the whole pair update (basis, tangent momentum, direction, retraction)
+   and the all-gather carries the new factors and momentum state, 3 r (m + n) numbers per
+   adapter instead of sMuon's r (m + n).
 4. every rank writes its shards of the updated masters back into the model's parameters.
 
 The returned ``step()`` value is Megatron's ``(update_successful, grad_norm, num_zeros)``; a
@@ -49,13 +54,15 @@ import torch.distributed as dist
 
 from megatron_muon.core.muon import Muon
 from megatron_muon.peft.resets import check_reset, prune_by_magnitude
+from megatron_muon.peft.riemannion import Riemannion
 from megatron_muon.peft.smuon import SMuon
 from megatron_muon.distributed.trace import span
 from megatron_muon.peft.lora import LoRAAdapter, _as_chunks, lora_adapters
 
 __all__ = ["LoRAOptimizer", "LORA_OPTIMIZERS"]
 
-LORA_OPTIMIZERS = ("smuon", "adam", "muon_factors")
+LORA_OPTIMIZERS = ("smuon", "adam", "muon_factors", "riemannion")
+PAIR_OPTIMIZERS = {"smuon": SMuon, "riemannion": Riemannion}  # LoRAPairOptimizer subclasses
 
 
 def _grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
@@ -66,20 +73,23 @@ def _grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 class LoRAOptimizer:
-    """sMuon / AdamW / per-factor Muon over a model's LoRA adapters (any TP/PP/DP layout).
+    """sMuon / Riemannion / AdamW / per-factor Muon over a model's LoRA adapters (any layout).
 
     Args:
         model: the model (module or list of pipeline chunks, DDP-wrapped or not) after
             :func:`~megatron_muon.peft.lora.apply_lora` (and after loading adapters).
-        optimizer: ``smuon``, ``adam`` (AdamW on A and B) or ``muon_factors`` (Muon on A and B
-            separately, each factor orthogonalised on its own).
+        optimizer: ``smuon``, ``riemannion`` (Muon on the rank-r manifold,
+            docs/relora.md#riemannion), ``adam`` (AdamW on A and B) or ``muon_factors`` (Muon
+            on A and B separately, each factor orthogonalised on its own).
         lr, weight_decay, clip_grad (0 = off): as usual.
         momentum, nesterov, ns_steps, coefficient_type, scale_mode, extra_scale_factor,
-        damping, exact_sign: sMuon / Muon settings (docs/design.md#muon, #smuon-and-lora).
+        damping, exact_sign: sMuon / Riemannion / Muon settings (docs/design.md#muon,
+            #smuon-and-lora; Riemannion has no damping).
         adam_betas, adam_eps: AdamW settings.
-        smuon_work: ``distribute`` (default) or ``replicate`` (see the module docstring).
-        work_group: ``tp`` (default) or ``tp_dp``: over which ranks sMuon's direction work
-            is spread (expert adapters always use their own TP group).
+        smuon_work: ``distribute`` (default) or ``replicate`` (see the module docstring);
+            sMuon and Riemannion.
+        work_group: ``tp`` (default) or ``tp_dp``: over which ranks sMuon's / Riemannion's
+            per-pair work is spread (expert adapters always use their own TP group).
         profile: synchronise the device around the timed phases (``last_timing``), see the
             module docstring.
     """
@@ -122,15 +132,16 @@ class LoRAOptimizer:
             A, B = ad.gather_full(canonical=True)
             self.masters.append((A.to(ad.A.device), B.to(ad.B.device)))
         flat = [t for pair in self.masters for t in pair]
-        if optimizer == "smuon":
+        if optimizer in PAIR_OPTIMIZERS:
             groups: dict[float, list] = {}
             for ad, pair in zip(self.adapters, self.masters):
                 groups.setdefault(ad.gamma, []).append(pair)
-            self.inner = SMuon([{"pairs": pairs, "gamma": g} for g, pairs in groups.items()],
-                               lr=lr, momentum=momentum, nesterov=nesterov,
-                               weight_decay=weight_decay, damping=damping, ns_steps=ns_steps,
-                               coefficient_type=coefficient_type, scale_mode=scale_mode,
-                               extra_scale_factor=extra_scale_factor, exact_sign=exact_sign)
+            extra = {"damping": damping} if optimizer == "smuon" else {}
+            self.inner = PAIR_OPTIMIZERS[optimizer](
+                [{"pairs": pairs, "gamma": g} for g, pairs in groups.items()], lr=lr,
+                momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                ns_steps=ns_steps, coefficient_type=coefficient_type, scale_mode=scale_mode,
+                extra_scale_factor=extra_scale_factor, exact_sign=exact_sign, **extra)
         elif optimizer == "muon_factors":
             self.inner = Muon(flat, lr=lr, momentum=momentum, nesterov=nesterov,
                               weight_decay=weight_decay, ns_steps=ns_steps,
@@ -141,7 +152,7 @@ class LoRAOptimizer:
                                            weight_decay=weight_decay)
         self._index = {id(A): i for i, (A, _) in enumerate(self.masters)}
         self._gather_plan = self._plan_gathers()
-        self._work_plan = self._plan_work() if optimizer == "smuon" else None
+        self._work_plan = self._plan_work() if optimizer in PAIR_OPTIMIZERS else None
         self.last_timing: dict[str, float] = {}
 
     # ------------------------------------------------------------------ Megatron-ish API
@@ -181,8 +192,9 @@ class LoRAOptimizer:
         masters to ``factors`` (full canonical ``(A, B)`` per adapter, in order, the values
         just loaded into the adapters) and reset the inner optimizer's state: ``zero`` drops
         it (a fresh optimizer), ``prune`` zeroes all but the ``1 - prune_ratio``
-        largest-magnitude entries of each state tensor (step counters are kept), ``keep``
-        leaves it.  Local: the state is replicated, so every rank does the same."""
+        largest-magnitude entries of each state tensor (step counters are kept, and so is
+        Riemannion's ``basis``: the frame its momentum components refer to), ``keep`` leaves
+        it.  Local: the state is replicated, so every rank does the same."""
         check_reset(reset, prune_ratio)
         if len(factors) != len(self.masters):
             raise ValueError(f"restart_adapters got {len(factors)} factor pairs for "
@@ -195,7 +207,8 @@ class LoRAOptimizer:
         elif reset == "prune":
             for state in self.inner.state.values():
                 for key, value in state.items():
-                    if torch.is_tensor(value) and value.dim() > 0 and key != "step":
+                    if torch.is_tensor(value) and value.dim() > 0 and \
+                            key not in ("step", "basis"):
                         prune_by_magnitude(value, prune_ratio)
 
     # ------------------------------------------------------------------ plans
@@ -210,7 +223,9 @@ class LoRAOptimizer:
         return list(plan.values())
 
     def _plan_work(self):
-        """Owner of each adapter's sMuon direction within its work group (greedy LPT)."""
+        """Owner of each adapter's pair work (sMuon direction, Riemannion update) within its
+        work group (greedy LPT); ``offset`` / ``slot``: where its result goes in the packed
+        all-gather buffer."""
         groups: dict[int, dict] = {}
         for i, ad in enumerate(self.adapters):
             group, size = ad.tp_group, ad.tp_size
@@ -241,8 +256,7 @@ class LoRAOptimizer:
                 o = min(range(size), key=lambda k: (load[k], k))
                 owner[i], offset[i] = o, numel[o]
                 load[o] += cost(i)
-                m, n = self.adapters[i].shape
-                numel[o] += self.adapters[i].rank * (m + n)
+                numel[o] += sum(math.prod(s) for s in self.inner.result_shapes(*self.masters[i]))
             plans.append(dict(entry, rank=rank, owner=owner, offset=offset,
                               slot=max(numel) if numel else 0))
         return plans
@@ -326,8 +340,8 @@ class LoRAOptimizer:
                 B.grad.mul_(coef)
         timing = {}
         with span("lora.step", "lora"):
-            if self.kind == "smuon" and self.smuon_work == "distribute":
-                timing = self._smuon_distributed_step()
+            if self.kind in PAIR_OPTIMIZERS and self.smuon_work == "distribute":
+                timing = self._distributed_step()
             else:
                 self.inner.step()
             self._write_back()
@@ -343,47 +357,49 @@ class LoRAOptimizer:
             ad.A.copy_(A_loc.to(ad.A.dtype))
             ad.B.copy_(B_loc.to(ad.B.dtype))
 
-    def _smuon_distributed_step(self) -> dict:
-        """SMuon.step with the direction work spread over owners (same maths, same order)."""
-        inner: SMuon = self.inner
+    def _distributed_step(self) -> dict:
+        """The inner LoRAPairOptimizer's step with the pair work spread over owners (same
+        maths, same order): ``pair_prepare`` everywhere (sMuon: the momenta, replicated and
+        cheap), ``pair_work`` on each pair's owner, one all-gather, ``pair_finish``
+        everywhere."""
+        inner = self.inner
         jobs = {}
         for group in inner.param_groups:
             for A, B in inner._pairs(group):
-                # momentum exactly as SMuon.step (replicated: cheap); the gradients are finite
-                # (step checked their norm)
-                updates = inner.pair_momenta(group, A, B, check_finite=False)
-                jobs[self._index[id(A)]] = (group, A, B, updates)
+                # the gradients are finite (step checked their norm)
+                jobs[self._index[id(A)]] = (group, A, B,
+                                            inner.pair_prepare(group, A, B, check_finite=False))
         self._sync()
         t0 = time.perf_counter()
-        dirs, t_exchange = {}, 0.0
+        results, t_exchange = {}, 0.0
         for plan in self._work_plan:
             mine = [i for i in plan["items"] if plan["size"] == 1 or plan["owner"][i] == plan["rank"]]
             with span("lora.directions", "lora"):
                 for i in mine:
-                    group, A, B, (uA, uB) = jobs[i]
-                    dirs[i] = inner.pair_direction(group, A, B, uA, uB)
+                    group, A, B, job = jobs[i]
+                    results[i] = inner.pair_work(group, A, B, job)
             if plan["size"] == 1:
                 continue
             self._sync()
             te = time.perf_counter()
             with span("lora.exchange", "lora"):
-                self._exchange(plan, mine, jobs, dirs)
+                self._exchange(plan, mine, jobs, results)
             self._sync()
             t_exchange += time.perf_counter() - te
         t_dir = time.perf_counter() - t0 - t_exchange
-        for i, (group, A, B, _) in jobs.items():
-            inner.apply_pair(group, A, B, *dirs[i])
+        for i, (group, A, B, job) in jobs.items():
+            inner.pair_finish(group, A, B, job, results[i])
         return dict(direction_s=t_dir, exchange_s=t_exchange)
 
-    def _exchange(self, plan: dict, mine: list, jobs: dict, dirs: dict) -> None:
-        """One all_gather of the packed directions of ``plan``'s owners: every rank gets all."""
+    def _exchange(self, plan: dict, mine: list, jobs: dict, results: dict) -> None:
+        """One all_gather of the packed results of ``plan``'s owners: every rank gets all."""
         dev = self.masters[0][0].device
         buf = torch.zeros(plan["slot"], dtype=torch.float32, device=dev)
         for i in mine:
-            dA, dB = dirs[i]
             o = plan["offset"][i]
-            buf[o: o + dA.numel()] = dA.reshape(-1)
-            buf[o + dA.numel(): o + dA.numel() + dB.numel()] = dB.reshape(-1)
+            for t in results[i]:
+                buf[o: o + t.numel()] = t.reshape(-1)
+                o += t.numel()
         parts = [torch.empty_like(buf) for _ in range(plan["size"])]
         dist.all_gather(parts, buf, group=plan["group"])
         for i in plan["items"]:
@@ -391,5 +407,9 @@ class LoRAOptimizer:
                 continue
             _, A, B, _ = jobs[i]
             part, o = parts[plan["owner"][i]], plan["offset"][i]
-            dirs[i] = (part[o: o + A.numel()].view(A.shape),
-                       part[o + A.numel(): o + A.numel() + B.numel()].view(B.shape))
+            out = []
+            for shape in self.inner.result_shapes(A, B):
+                k = math.prod(shape)
+                out.append(part[o: o + k].view(shape))
+                o += k
+            results[i] = tuple(out)

@@ -210,11 +210,12 @@ def smuon_direction(
 
 
 # ----------------------------------------------------------------------------------------------
-# the optimizer
+# the optimizers: shared machinery of LoRA factor-pair optimizers (SMuon, Riemannion)
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_group(group: dict) -> None:
+def _check_common(group: dict) -> None:
+    """The hyperparameters every LoRA pair optimizer here shares (lr, weight decay, Muon's)."""
     lr = _check_number("lr", group["lr"])
     wd = _check_number("weight_decay", group["weight_decay"])
     if lr < 0.0:
@@ -229,7 +230,6 @@ def _check_group(group: dict) -> None:
                                coefficient_type=group["coefficient_type"],
                                scale_mode=group["scale_mode"])
     _check_number("gamma", group["gamma"], nonzero=True)
-    _check_number("damping", group["damping"], positive=True)
     _check_number("extra_scale_factor", group["extra_scale_factor"])
     _check_number("eps", group["eps"])
     for key in ("nesterov", "exact_sign"):
@@ -237,42 +237,161 @@ def _check_group(group: dict) -> None:
             raise ValueError(f"{key} must be a bool, got {group[key]!r}")
 
 
-def _check_pairs(pairs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _check_group(group: dict) -> None:
+    _check_common(group)
+    _check_number("damping", group["damping"], positive=True)
+
+
+def _check_pairs(pairs, who: str = "SMuon") -> list[tuple[torch.Tensor, torch.Tensor]]:
     if isinstance(pairs, torch.Tensor) or not isinstance(pairs, Iterable):
-        raise ValueError("SMuon 'pairs' must be a list of (A, B) tuples")
+        raise ValueError(f"{who} 'pairs' must be a list of (A, B) tuples")
     out = []
     for i, pair in enumerate(pairs):
         if isinstance(pair, torch.Tensor) or not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise ValueError(
-                f"SMuon pair {i} must be an (A, B) tuple of LoRA factors (A: r x n, B: m x r), "
+                f"{who} pair {i} must be an (A, B) tuple of LoRA factors (A: r x n, B: m x r), "
                 f"got {type(pair).__name__}"
             )
         A, B = pair
         if not isinstance(A, torch.Tensor) or not isinstance(B, torch.Tensor):
-            raise ValueError(f"SMuon pair {i}: A and B must be tensors")
+            raise ValueError(f"{who} pair {i}: A and B must be tensors")
         if A.ndim != 2 or B.ndim != 2:
-            raise ValueError(f"SMuon pair {i}: A and B must be 2-D, got shapes "
+            raise ValueError(f"{who} pair {i}: A and B must be 2-D, got shapes "
                              f"{tuple(A.shape)} and {tuple(B.shape)}")
         if A.shape[0] != B.shape[1]:
             raise ValueError(
-                f"SMuon pair {i}: rank mismatch, A is {tuple(A.shape)} (r x n) and B is "
+                f"{who} pair {i}: rank mismatch, A is {tuple(A.shape)} (r x n) and B is "
                 f"{tuple(B.shape)} (m x r); pass pairs as (lora_A.weight, lora_B.weight)"
             )
         if A.numel() == 0 or B.numel() == 0:
-            raise ValueError(f"SMuon pair {i}: empty factor")
+            raise ValueError(f"{who} pair {i}: empty factor")
         if not (A.is_floating_point() and B.is_floating_point()):
-            raise ValueError(f"SMuon pair {i}: factors must be floating point")
+            raise ValueError(f"{who} pair {i}: factors must be floating point")
         if A.device != B.device:
-            raise ValueError(f"SMuon pair {i}: A on {A.device} but B on {B.device}")
+            raise ValueError(f"{who} pair {i}: A on {A.device} but B on {B.device}")
         if A is B:
-            raise ValueError(f"SMuon pair {i}: A and B are the same tensor")
+            raise ValueError(f"{who} pair {i}: A and B are the same tensor")
         out.append((A, B))
     if not out:
-        raise ValueError("SMuon got an empty list of (A, B) pairs")
+        raise ValueError(f"{who} got an empty list of (A, B) pairs")
     return out
 
 
-class SMuon(torch.optim.Optimizer):
+class LoRAPairOptimizer(torch.optim.Optimizer):
+    """Base of the optimizers over LoRA factor pairs (:class:`SMuon`, ``Riemannion``).
+
+    Params: either a list of ``(A, B)`` tuples (A = ``lora_A.weight``: r x n, B =
+    ``lora_B.weight``: m x r, the layer being ``W0 + gamma B A``), or a list of param-group
+    dicts ``{"pairs": [(A, B), ...], **overrides}``.  A group's ``params`` are stored
+    interleaved ``[A1, B1, A2, B2, ...]`` (so ``state_dict`` / ``load_state_dict`` work as for
+    any torch optimizer); ``add_param_group`` also takes ``{"pairs": ...}``.
+
+    A step of one pair is three calls, so that ``LoRAOptimizer`` can run the middle one on
+    one owner rank per pair and exchange its result (``peft/lora_optimizer.py``):
+
+    * ``pair_prepare(group, A, B)``: the cheap replicated part (every rank), e.g. momenta;
+    * ``pair_work(group, A, B, job)``: the expensive part, a tuple of tensors whose shapes
+      are ``result_shapes(A, B)``; must not change any state (only the owner runs it);
+    * ``pair_finish(group, A, B, job, result)``: apply the result (every rank).
+
+    Subclasses set ``NAME`` and ``_check_group`` and implement the three calls.
+    """
+
+    NAME = "LoRAPairOptimizer"
+
+    @staticmethod
+    def _check_group(group: dict) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def __init__(self, params, defaults: dict):
+        self._check_group(defaults)
+        who = self.NAME
+        if isinstance(params, torch.Tensor):
+            raise ValueError(f"{who} takes (A, B) pairs or {{'pairs': [...]}} groups, not a tensor")
+        params = list(params)
+        if not params:
+            raise ValueError(f"{who} got an empty parameter list")
+        if all(isinstance(g, dict) for g in params):
+            groups = params
+        elif any(isinstance(g, dict) for g in params):
+            raise ValueError(f"{who}: mix of param-group dicts and (A, B) pairs")
+        else:
+            groups = [{"pairs": params}]
+        super().__init__(groups, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        who = self.NAME
+        if not isinstance(param_group, dict):
+            raise ValueError(f"{who} param groups must be dicts {{'pairs': [(A, B), ...], ...}}")
+        if "params" in param_group:
+            raise ValueError(f"{who} param groups take 'pairs': [(A, B), ...], not 'params'")
+        if "pairs" not in param_group:
+            raise ValueError(f"{who} param group without 'pairs'")
+        group = dict(param_group)
+        pairs = _check_pairs(group.pop("pairs"), who)
+        flat = [t for pair in pairs for t in pair]
+        seen = {id(p) for g in self.param_groups for p in g["params"]}
+        ids = [id(t) for t in flat]
+        if len(set(ids)) != len(ids) or seen.intersection(ids):
+            raise ValueError(f"{who}: a tensor appears in more than one LoRA pair")
+        group["params"] = flat
+        for key, value in self.defaults.items():
+            group.setdefault(key, value)
+        self._check_group(group)
+        super().add_param_group(group)
+
+    @staticmethod
+    def _pairs(group: dict):
+        params = group["params"]
+        return list(zip(params[0::2], params[1::2]))
+
+    @staticmethod
+    def compute_dtype(A: torch.Tensor, B: torch.Tensor) -> torch.dtype:
+        """fp64 for fp64 params, else fp32 (bf16 / fp16 params: fp32 maths)."""
+        return torch.float64 if torch.float64 in (A.dtype, B.dtype) else torch.float32
+
+    def pair_gradients(self, A: torch.Tensor, B: torch.Tensor,
+                       check_finite: bool = True) -> list[torch.Tensor]:
+        """``[G_A, G_B]`` in the compute dtype; a missing gradient counts as zero.
+        ``check_finite=False`` skips the NaN/Inf check (a host sync each)."""
+        cdt = self.compute_dtype(A, B)
+        grads = []
+        for p in (A, B):
+            if p.grad is not None and p.grad.is_sparse:
+                raise ValueError(f"{self.NAME} does not support sparse gradients")
+            g = torch.zeros_like(p, dtype=cdt) if p.grad is None else p.grad.to(cdt)
+            if check_finite:
+                check_finite_gradient(g, self.NAME, "LoRA factor")
+            grads.append(g)
+        return grads
+
+    def result_shapes(self, A: torch.Tensor, B: torch.Tensor) -> list[tuple[int, ...]]:
+        raise NotImplementedError
+
+    def pair_prepare(self, group: dict, A: torch.Tensor, B: torch.Tensor,
+                     check_finite: bool = True):
+        raise NotImplementedError
+
+    def pair_work(self, group: dict, A: torch.Tensor, B: torch.Tensor, job) -> tuple:
+        raise NotImplementedError
+
+    def pair_finish(self, group: dict, A: torch.Tensor, B: torch.Tensor, job,
+                    result: tuple) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable] = None):
+        loss = evaluate_closure(closure)
+        for group in self.param_groups:
+            for A, B in self._pairs(group):
+                if A.grad is None and B.grad is None:
+                    continue
+                job = self.pair_prepare(group, A, B)
+                self.pair_finish(group, A, B, job, self.pair_work(group, A, B, job))
+        return loss
+
+
+class SMuon(LoRAPairOptimizer):
     """sMuon (docs/design.md#smuon-and-lora): Muon for LoRA factor pairs.
 
     Params: either a list of ``(A, B)`` tuples (A = ``lora_A.weight``: r x n, B =
@@ -306,6 +425,9 @@ class SMuon(torch.optim.Optimizer):
     ``ValueError``.
     """
 
+    NAME = "SMuon"
+    _check_group = staticmethod(_check_group)
+
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, gamma: float = 1.0, damping: float = 1e-6,
                  ns_steps: int = 5, coefficient_type: Coefficients = "simple",
@@ -315,60 +437,16 @@ class SMuon(torch.optim.Optimizer):
                         gamma=gamma, damping=damping, ns_steps=ns_steps,
                         coefficient_type=coefficient_type, scale_mode=scale_mode,
                         extra_scale_factor=extra_scale_factor, exact_sign=exact_sign, eps=eps)
-        _check_group(defaults)
-        if isinstance(params, torch.Tensor):
-            raise ValueError("SMuon takes (A, B) pairs or {'pairs': [...]} groups, not a tensor")
-        params = list(params)
-        if not params:
-            raise ValueError("SMuon got an empty parameter list")
-        if all(isinstance(g, dict) for g in params):
-            groups = params
-        elif any(isinstance(g, dict) for g in params):
-            raise ValueError("SMuon: mix of param-group dicts and (A, B) pairs")
-        else:
-            groups = [{"pairs": params}]
-        super().__init__(groups, defaults)
-
-    def add_param_group(self, param_group: dict) -> None:
-        if not isinstance(param_group, dict):
-            raise ValueError("SMuon param groups must be dicts {'pairs': [(A, B), ...], ...}")
-        if "params" in param_group:
-            raise ValueError("SMuon param groups take 'pairs': [(A, B), ...], not 'params'")
-        if "pairs" not in param_group:
-            raise ValueError("SMuon param group without 'pairs'")
-        group = dict(param_group)
-        pairs = _check_pairs(group.pop("pairs"))
-        flat = [t for pair in pairs for t in pair]
-        seen = {id(p) for g in self.param_groups for p in g["params"]}
-        ids = [id(t) for t in flat]
-        if len(set(ids)) != len(ids) or seen.intersection(ids):
-            raise ValueError("SMuon: a tensor appears in more than one LoRA pair")
-        group["params"] = flat
-        for key, value in self.defaults.items():
-            group.setdefault(key, value)
-        _check_group(group)
-        super().add_param_group(group)
-
-    @staticmethod
-    def _pairs(group: dict):
-        params = group["params"]
-        return list(zip(params[0::2], params[1::2]))
+        super().__init__(params, defaults)
 
     def pair_momenta(self, group: dict, A: torch.Tensor, B: torch.Tensor,
                      check_finite: bool = True) -> list[torch.Tensor]:
         """``[U_A, U_B]``: the momentum step on one pair's factor gradients (in fp32, fp64 for
         fp64 params; a missing gradient counts as zero).  ``check_finite=False`` skips the
         per-factor NaN/Inf check (a host sync each) where the caller has checked already."""
-        cdt = torch.float64 if torch.float64 in (A.dtype, B.dtype) else torch.float32
-        updates = []
-        for p in (A, B):
-            if p.grad is not None and p.grad.is_sparse:
-                raise ValueError("SMuon does not support sparse gradients")
-            g = torch.zeros_like(p, dtype=cdt) if p.grad is None else p.grad.to(cdt)
-            if check_finite:
-                check_finite_gradient(g, "SMuon", "LoRA factor")
-            updates.append(momentum_step(self.state[p], g, group["momentum"], group["nesterov"]))
-        return updates
+        grads = self.pair_gradients(A, B, check_finite)
+        return [momentum_step(self.state[p], g, group["momentum"], group["nesterov"])
+                for p, g in zip((A, B), grads)]
 
     @staticmethod
     def pair_direction(group: dict, A: torch.Tensor, B: torch.Tensor, uA: torch.Tensor,
@@ -389,14 +467,16 @@ class SMuon(torch.optim.Optimizer):
         for p, d in ((A, dA), (B, dB)):
             decoupled_update(p, d.to(p.dtype), step, decay)
 
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable] = None):
-        loss = evaluate_closure(closure)
-        for group in self.param_groups:
-            for A, B in self._pairs(group):
-                if A.grad is None and B.grad is None:
-                    continue
-                uA, uB = self.pair_momenta(group, A, B)
-                dA, dB = self.pair_direction(group, A, B, uA, uB)
-                self.apply_pair(group, A, B, dA, dB)
-        return loss
+    # the three-part step (LoRAPairOptimizer): momenta everywhere, the direction on the
+    # owner, the factor update everywhere
+    def result_shapes(self, A, B):
+        return [tuple(A.shape), tuple(B.shape)]
+
+    def pair_prepare(self, group, A, B, check_finite=True):
+        return self.pair_momenta(group, A, B, check_finite)
+
+    def pair_work(self, group, A, B, job):
+        return self.pair_direction(group, A, B, *job)
+
+    def pair_finish(self, group, A, B, job, result):
+        self.apply_pair(group, A, B, *result)

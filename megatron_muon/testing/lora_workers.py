@@ -93,20 +93,25 @@ def _train(model, cfg, optimizer: str, steps: int, opt: dict, **okw):
     optim = LoRAOptimizer(model, optimizer, **{**OPT, **opt}, **okw)
     lay = layout_ranks()
     losses = []
-    grads = {}
+    grads, pre_factors = {}, {}
     for step in range(steps):
+        if step == steps - 1:  # the factors the last step's gradients are taken at
+            pre = [(A.cpu().clone(), B.cpu().clone()) for A, B in optim.masters]
         out = train_step(model, optim, cfg, step, lay["dp"], lay["dp_size"])
         losses.append(out.get("loss"))
         if step == steps - 1:  # full, canonical gradients of the last step (A and B nonzero)
             grads = {ad.global_name: (A.grad.cpu().clone(), B.grad.cpu().clone())
                      for ad, (A, B) in zip(optim.adapters, optim.masters)}
-    return optim, losses, grads
+            pre_factors = {ad.global_name: p for ad, p in zip(optim.adapters, pre)}
+    return optim, losses, grads, pre_factors
 
 
 def lora_train(cfg: dict, tp: int = 1, pp: int = 1, steps: int = 4, runs: Optional[dict] = None,
                save: Optional[str] = None, lora: Optional[dict] = None) -> dict:
     """Train LoRA adapters on the tiny GPT for each entry of ``runs`` (name: dict(optimizer,
     opt, okw, cfg_extra)); return losses, full adapters, outputs and base-weight checks.
+    ``grads``: per adapter ``(G_A, G_B)`` of the last step, ``pre_factors`` the full ``(A, B)``
+    they were taken at.
 
     ``save``: after the first run, write ``save/adapter.pt`` (save_lora) and, with PP 1, a
     full-model dist_checkpointing checkpoint ``save/full`` (base + adapters).
@@ -122,14 +127,18 @@ def lora_train(cfg: dict, tp: int = 1, pp: int = 1, steps: int = 4, runs: Option
                                                    **spec.get("cfg_extra", {})}})
         model = _build(gcfg, lora)
         before = _base_params(model)
-        optim, losses, grads = _train(model, gcfg, spec.get("optimizer", "smuon"), steps,
-                               spec.get("opt", {}), **spec.get("okw", {}))
+        optim, losses, grads, pre_factors = _train(
+            model, gcfg, spec.get("optimizer", "smuon"), steps, spec.get("opt", {}),
+            **spec.get("okw", {}))
         after = _base_params(model)
         result["runs"][name] = dict(
-            losses=losses, grads=grads, factors=full_lora_factors(model),
+            losses=losses, grads=grads, pre_factors=pre_factors,
+            factors=full_lora_factors(model),
             outputs=token_losses(model, gcfg) if pp == 1 else None,
             base_unchanged=all(torch.equal(before[k], after[k]) for k in before),
             n_base=len(before), timing=optim.last_timing,
+            inner_state={k: {n: t.cpu().clone() for n, t in v.items()}
+                         for k, v in optim.inner.state_dict()["state"].items()},
             attrs=_attributes(model))
         if save and name == next(iter(runs)):
             save_lora(os.path.join(save, "adapter.pt"), model, metadata={"tp": tp})
@@ -275,8 +284,9 @@ def lora_resume_chain(cfg: dict, directory: str, tp: int = 1, optimizers=("smuon
     """Per LoRA optimizer: ``steps`` uninterrupted steps, and the same steps in segments that
     each start from a fresh model and optimizer, load the adapters (``load_lora``) and the
     optimizer state file written by the previous segment, and write their own.  Returns both
-    runs' losses and final adapters.  (The frozen base is re-created identically: its
-    weights are seeded by their global names.)"""
+    runs' losses and final adapters, and per resume whether ``state_dict()`` right after
+    ``load_state_dict`` equals the loaded state exactly (``reloaded_equal``).  (The frozen
+    base is re-created identically: its weights are seeded by their global names.)"""
     from megatron_muon.peft.lora import full_lora_factors, load_lora, save_lora
     from megatron_muon.peft.lora_optimizer import LoRAOptimizer
 
@@ -301,12 +311,14 @@ def lora_resume_chain(cfg: dict, directory: str, tp: int = 1, optimizers=("smuon
         bounds = [0, *saves, steps]
         adapters = os.path.join(directory, f"{name}_adapters.pt")
         state = os.path.join(directory, f"{name}_optimizer_rank{rank}.pt")
-        segs = []
+        segs, reloaded = [], []
         for first, last in zip(bounds[:-1], bounds[1:]):
             model, optim = fresh(name)
             if first:
                 load_lora(adapters, model)
-                optim.load_state_dict(torch.load(state, weights_only=False))
+                loaded = torch.load(state, weights_only=False)
+                optim.load_state_dict(loaded)
+                reloaded.append(_same_state(optim.state_dict(), loaded))
             segs += run(model, optim, first, last)
             if last < steps:
                 dist.barrier()  # everyone has read the previous files
@@ -314,5 +326,20 @@ def lora_resume_chain(cfg: dict, directory: str, tp: int = 1, optimizers=("smuon
                 torch.save(optim.state_dict(), state)
                 dist.barrier()
         out[name] = dict(whole=whole, chain=segs, whole_factors=whole_factors,
-                         chain_factors=full_lora_factors(model))
+                         chain_factors=full_lora_factors(model), reloaded_equal=reloaded)
     return out
+
+
+def _same_state(a, b) -> bool:
+    """Exact equality of two (nested) state dicts: same keys, types, values, tensors bit for
+    bit (same dtype and shape)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(
+            _same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(
+            _same_state(x, y) for x, y in zip(a, b))
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and \
+            torch.equal(a.cpu(), b.cpu())
+    return type(a) is type(b) and a == b
