@@ -268,6 +268,7 @@ def test_activation_recompute(runs):
 LORA = ["--lora-rank", "4", "--lora-alpha", "8"]
 SMUON = ["--optimizer", "smuon", *LORA, "--lr", "3e-3", "--lr-decay-style", "constant"]
 EVAL = ["--skip-train", "--eval-iters", "2"]
+RELORA = ["--relora-interval", "2", "--relora-reset", "prune"]  # restarts at steps 2, 4, 6
 # Merged (W0 + gamma B A, rounded once to fp32) vs unmerged (x W0^T + gamma (x A^T) B^T):
 # the same function, only the fp32 rounding differs.  Per adapted matmul (inner size
 # n <= 256, + r = 4 for the branch) the output's relative error is <= (n + r) u in the worst
@@ -282,13 +283,19 @@ MERGE_TOL = 1e-4
 def _peft_spec(out: Path) -> dict:
     save = lambda d, every: ["--save", str(out / d), "--save-interval", str(every)]  # noqa: E731
     load = lambda d: ["--load", str(out / d)]  # noqa: E731
-    return {"out": str(out), "runs": [
+    return {"out": str(out), "record_batches": ["ft"], "runs": [
         ["pre", ["--optimizer", "dmuon"] + save("ck_pre", STEPS)],
         ["ft", SMUON + load("ck_pre") + ["--finetune"] + save("ck_ft", SAVE_AT)],
         ["ft_resume", SMUON + load("ck_ft") + ["--ckpt-step", str(SAVE_AT), "--lora-save-base"]
          + save("ck_resume", SAVE_AT)],
         ["ft_tp2_resume", SMUON + load("ck_ft") + ["--ckpt-step", str(SAVE_AT),
                                                     "--tensor-model-parallel-size", "2"]],
+        ["relora", SMUON + RELORA + load("ck_pre") + ["--finetune"] + save("ck_relora", SAVE_AT)],
+        ["relora_resume", SMUON + RELORA + load("ck_relora") + ["--ckpt-step", str(SAVE_AT)]
+         + save("ck_relora_resume", SAVE_AT)],
+        ["ft_adam", ["--optimizer", "adam", *LORA, "--lr", "1e-2", "--lr-decay-style",
+                     "constant"] + load("ck_pre") + ["--finetune"]],
+        ["ft_pp2", SMUON + load("ck_pre") + ["--finetune", "--pipeline-model-parallel-size", "2"]],
         ["base_eval", EVAL + load("ck_pre")],
         ["ft_eval", EVAL + LORA + load("ck_ft")],
         ["ft_eval_legacy", EVAL + LORA + load("ck_ft") + ["--legacy-model-provider"]],
@@ -370,6 +377,68 @@ def test_merged_checkpoint_loads_without_lora_flags(peft_runs):
     assert r["merged_eval"]["first_iteration"] == 1  # a release checkpoint: iteration 0
     _close(r["merged_eval"]["losses"], r["ft_eval"]["losses"], MERGE_TOL)
     _close(r["ft_eval_legacy"]["losses"], r["ft_eval"]["losses"], MERGE_TOL)
+
+
+@launched
+def test_relora_adam_and_pp2_in_megatron_lm(peft_runs):
+    """ReLoRA (restarts every 2 steps, pruned state; its checkpoints hold the merged base)
+    resumes bit for bit; LoRA with Megatron's own Adam on the adapters and LoRA + sMuon at
+    PP2 start from the same function (B = 0: the first loss is the base model's) and train."""
+    import torch
+
+    out, r = peft_runs
+    assert r["relora_resume"]["first_iteration"] == SAVE_AT + 1
+    assert r["relora_resume"]["losses"] == r["relora"]["losses"][SAVE_AT:]
+    last = f"iter_{STEPS:07d}"
+    whole = _tensors(out / "ck_relora" / last)
+    resumed = _tensors(out / "ck_relora_resume" / last)
+    assert set(whole) == set(resumed) and any(".lora." not in k for k in whole)  # with base
+    for k in whole:
+        assert torch.equal(whole[k], resumed[k]), k
+    pre = _tensors(out / "ck_pre" / last)
+    moved = [k for k in pre if not k.startswith("optimizer.") and k in whole
+             and k.endswith("linear_qkv.weight")]
+    assert moved and all(not torch.equal(pre[k], whole[k]) for k in moved)  # merged into base
+    ft = r["ft"]["losses"]
+    for name in ("relora", "ft_adam", "ft_pp2"):
+        losses = r[name]["losses"]
+        assert len(losses) == STEPS and all(math.isfinite(x) for x in losses), name
+    assert r["relora"]["losses"][:2] == ft[:2]  # identical until the first restart
+    assert r["ft_adam"]["losses"][0] == ft[0]
+    _close(r["ft_pp2"]["losses"][:1], ft[:1])
+    assert r["ft_adam"]["losses"][1:] != ft[1:]
+
+
+@launched
+def test_lora_smuon_equals_the_single_process_harness(peft_runs, tmp_path):
+    """The fine-tuning through Megatron-LM's loop (4 DP ranks: DDP's gradient all-reduce,
+    Megatron's loss normalisation, scheduler, clipping and optimizer plumbing) against
+    ``megatron_muon.testing.lora_replay``: the same base checkpoint, adapter seed and batches
+    (the ones each rank read, recorded), trained in one process by ``LoRAOptimizer`` with no
+    Megatron-LM loop, DDP or reduction.  Only the fp32 summation order differs, so
+    TOLERANCE's derivation holds (sMuon's Newton-Schulz runs the same quintic steps on its
+    2r x 2r core)."""
+    import torch
+
+    out, r = peft_runs
+    res = tmp_path / "replay.json"
+    done = subprocess.run([sys.executable, "-m", "megatron_muon.testing.lora_replay",
+                           "--adapters", str(out / "ck_ft"), "--batches", str(out / "ft.batches"),
+                           "--out", str(res)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    replay = json.loads(res.read_text())
+    assert replay["ranks"] == 4 and replay["micro_per_rank"] == 1
+    _close(replay["losses"], r["ft"]["losses"])
+    # the adapters at the end (the checkpoint's full fp32 masters): the same within
+    # TOLERANCE relative to their size
+    factors = torch.load(res.with_suffix(".pt"))
+    saved = _tensors(out / "ck_ft" / f"iter_{STEPS:07d}")
+    assert len(factors) == 8  # 2 layers x qkv, proj, fc1, fc2
+    for name, (A, B) in factors.items():
+        for factor, t in (("A", A), ("B", B)):
+            ck = saved[f"optimizer.lora.{name}.{factor}.param"]
+            assert (ck - t).abs().max() <= TOLERANCE * ck.abs().max(), (name, factor)
 
 
 # --------------------------------------------------------------------------- the runner

@@ -16,15 +16,18 @@ Python function on N ranks on top of them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Optional
 
-__all__ = ["start_ranks", "supervise", "rendezvous_store", "rank_env", "describe_exit"]
+__all__ = ["start_ranks", "supervise", "rendezvous_store", "rank_env", "describe_exit",
+           "single_process_group"]
 
 # Signals that stop a launch cleanly while ``supervise`` waits (exit status 128 + signal).
 _STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP")
@@ -45,6 +48,25 @@ def rendezvous_store(host: str = "127.0.0.1"):
     from torch.distributed import TCPStore
 
     return TCPStore(host, 0, is_master=True, wait_for_workers=False)
+
+
+@contextlib.contextmanager
+def single_process_group():
+    """A one-rank gloo world for the duration of the block, for single-process tools that
+    call Megatron's collective code (dist-checkpointing); nothing is done where a process
+    group already exists.  Its store is a file in a fresh temporary folder (no port)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="megatron-muon-pg-") as folder:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(folder, "store"), 1),
+                                rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
 
 
 def rank_env(rank: int, nproc: int, store) -> dict:

@@ -59,7 +59,7 @@ from megatron_muon.megatron.arguments import DMuonArgumentError
 
 __all__ = ["add_peft_args", "validate_peft_args", "PEFTArgumentError", "LoRAModelBuild",
            "get_lora_optimizer", "LoRAMegatronOptimizer", "PEFT_ARGUMENTS", "LORA_OPTIMIZERS",
-           "DEFAULT_TARGET_MODULES", "lora_enabled", "checkpoint_contents"]
+           "DEFAULT_TARGET_MODULES", "lora_enabled", "checkpoint_contents", "load_base_weights"]
 
 #: Megatron-Bridge's ``LoRA.target_modules`` default (experts' linear_fc1 / fc2 included:
 #: a name matches every module whose dotted name ends with it).
@@ -340,7 +340,7 @@ class _CheckpointView:
         return result
 
 
-def _load_base(chunks, directory: str) -> None:
+def load_base_weights(chunks, directory: str) -> None:
     """Load the base weights of ``chunks`` (unwrapped) from a torch_dist checkpoint folder
     (any TP / PP layout: dist-checkpointing reshards).  Collective."""
     from megatron.core import dist_checkpointing
@@ -443,7 +443,7 @@ class LoRAModelBuild:
         for chunk in chunks:
             self.views.append(_CheckpointView(chunk, save_mode, load_mode))
         if base_dir is not None:
-            _load_base(chunks, base_dir)
+            load_base_weights(chunks, base_dir)
         if getattr(args, "rank", 0) == 0:
             n = sum(a.A.numel() + a.B.numel() for a in self.adapters)
             print(f"megatron-muon PEFT: {len(self.adapters)} LoRA adapters on this rank "

@@ -32,7 +32,6 @@ import argparse
 import copy
 import os
 import sys
-import tempfile
 
 import torch
 
@@ -187,25 +186,16 @@ def main(argv=None) -> int:
     from megatron_muon.megatron.cpu_run import alias_typing_override
 
     alias_typing_override()
-    import torch.distributed as dist
-
+    from megatron_muon.distributed.launch import single_process_group
     from megatron_muon.megatron.cpu_mode import enable_cpu_mode
 
     enable_cpu_mode()  # Megatron's dist-checkpointing synchronises CUDA; a no-op with CUDA
-
-    owned = not dist.is_initialized()
-    if owned:
-        store_dir = tempfile.mkdtemp(prefix="lora-merge-")
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, "store"), 1),
-                                rank=0, world_size=1)
     try:
-        merge(a.base, a.adapters, a.out, a.base_step, a.adapters_step)
+        with single_process_group():
+            merge(a.base, a.adapters, a.out, a.base_step, a.adapters_step)
     except (MergeError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    finally:
-        if owned:
-            dist.destroy_process_group()
     return 0
 
 

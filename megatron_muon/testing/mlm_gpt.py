@@ -11,7 +11,9 @@ With ``MLM_GPT_RUNS=spec.json`` it runs several trainings in one launch (tests: 
 imports and process start dominate a tiny run on CPU): ``{"out": DIR, "runs": [[name,
 [extra args]], ...]}``; each run gets the command line's arguments plus its own, its
 stdout goes to ``DIR/<name>.rank<R>.log`` and its per-iteration loss (full precision,
-reduced over data parallel like Megatron-LM's ``lm loss``) to ``DIR/<name>.json``.  A run
+reduced over data parallel like Megatron-LM's ``lm loss``) to ``DIR/<name>.json``; for the
+runs named in ``"record_batches"`` each rank's training microbatches go to
+``DIR/<name>.batches.rank<R>.pt`` (``lora_replay.py`` replays them).  A run
 whose arguments are a dict is a step between trainings instead (``{"merge": {...}}``:
 ``python -m megatron_muon.peft.merge`` on rank 0, ``_run_step``).
 Between runs Megatron-LM's global state is reset (``unset_global_variables``,
@@ -68,6 +70,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
 
 
 _RECORDED = []  # (loss sum, tokens) of every microbatch of this rank, for MLM_GPT_RUNS
+_BATCHES = []  # this rank's training microbatches, for the runs in spec["record_batches"]
 
 
 def loss_func(loss_mask, output_tensor):
@@ -82,6 +85,9 @@ def loss_func(loss_mask, output_tensor):
 
 def forward_step(data_iterator, model):
     batch = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in next(data_iterator).items()}
+    if model.training:
+        _BATCHES.append({k: v.detach().cpu().clone() for k, v in batch.items()
+                         if torch.is_tensor(v)})
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                    labels=batch["labels"], loss_mask=batch["loss_mask"])
     return output, partial(loss_func, batch["loss_mask"])
@@ -180,6 +186,7 @@ def run_many(spec_path: str) -> None:
         argv = common + list(extra)
         sys.argv = [sys.argv[0]] + (with_cpu_defaults(argv) if cpu_mode_active() else argv)
         _RECORDED.clear()
+        _BATCHES.clear()
         with open(out / f"{name}.rank{rank}.log", "w") as log, contextlib.redirect_stdout(log):
             try:
                 main()
@@ -196,6 +203,8 @@ def run_many(spec_path: str) -> None:
                 start = get_args().iteration  # the iteration it started from (resumed)
                 (out / f"{name}.json").write_text(json.dumps(
                     {"losses": losses, "first_iteration": start + 1}))
+            if name in spec.get("record_batches", ()):
+                torch.save(list(_BATCHES), out / f"{name}.batches.rank{rank}.pt")
             _reset_megatron()
 
 
