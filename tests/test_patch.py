@@ -549,14 +549,16 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.training.global_vars import get_args, set_global_variables
 
-sys.argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
+TINY_ARGV = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
     "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
     "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "5",
     "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--mock-data",
     "--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--no-bias-dropout-fusion",
     "--no-masked-softmax-fusion", "--no-persist-layer-norm", "--no-rope-fusion",
     "--transformer-impl", "local", "--position-embedding-type", "rope",
-    "--untie-embeddings-and-output-weights",
+    "--untie-embeddings-and-output-weights"]
+
+sys.argv = TINY_ARGV + [
     "--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-nesterov",
     "--muon-coefficient-type", "simple", "--muon-fp32-matmul-prec", "highest"] + EXTRA
 args = A.parse_args()
@@ -611,15 +613,8 @@ def test_patched_training_builds_dmuon_optimizer(patched_tree, placement):
         "zero3" if placement == "zero3" else "zero1"]
 
 
-_LORA_SETUP_DRIVER = _SETUP_DRIVER.split("sys.argv = [")[0] + r"""
-sys.argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
-    "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
-    "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "5",
-    "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--mock-data",
-    "--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--no-bias-dropout-fusion",
-    "--no-masked-softmax-fusion", "--no-persist-layer-norm", "--no-rope-fusion",
-    "--transformer-impl", "local", "--position-embedding-type", "rope",
-    "--untie-embeddings-and-output-weights", "--use-distributed-optimizer",
+_LORA_SETUP_DRIVER = _SETUP_DRIVER.split("sys.argv = TINY_ARGV")[0] + r"""
+sys.argv = TINY_ARGV + ["--use-distributed-optimizer",
     "--lora-rank", "4"] + EXTRA
 args = A.parse_args()
 A.validate_args(args)
