@@ -164,6 +164,8 @@ def worker(cfg: dict, tp: int, optimizers: list, steps: int, warmup: int, prec: 
         rec = {"step_s": statistics.median(st), "fwd_bwd_s": statistics.median(fb),
                "step_cpu_s": statistics.median(cpu),
                "total_s": statistics.median(a + b for a, b in zip(st, fb)),
+               # every timed step, in order (tools/bench_scaling.py takes its own statistics)
+               "step_list": st, "fwd_bwd_list": fb, "step_cpu_list": cpu,
                "memory": _memory_per_rank(model, optim)}
         for sub in getattr(optim, "chained_optimizers", [optim]):
             if hasattr(sub, "dmuon_stats"):

@@ -39,6 +39,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -68,8 +69,11 @@ def _timeit(fn, min_reps: int = 3, budget: float = 1.0) -> float:
 
 
 def calibrate_worker(ns_shapes: list, a2a_sizes: list, ag_sizes: list, elems: int,
-                     budget: float) -> dict:
-    """Runs on every rank at once (one thread each), so contention matches the benchmark."""
+                     budget: float, pair_groups: bool = False) -> dict:
+    """Runs on every rank at once (one thread each), so contention matches the benchmark.
+
+    ``pair_groups``: also time the collectives of groups of 2 neighbouring ranks (the TP
+    groups of TP2) where the half-size groups are not of size 2 (world >= 8)."""
     import torch
     import torch.distributed as dist
 
@@ -131,6 +135,20 @@ def calibrate_worker(ns_shapes: list, a2a_sizes: list, ag_sizes: list, elems: in
             recv = torch.empty_like(send)
             t = timed(lambda: dist.all_to_all_single(recv, send, group=mine), reps=4)
             out["a2a_half"].append(((half - 1) * per_peer * 4, t))
+    out["ag_pair"], out["a2a_pair"] = [], []
+    if pair_groups and world >= 4 and half != 2 and world % 2 == 0:
+        pairs = [dist.new_group([s, s + 1]) for s in range(0, world, 2)]
+        mine = pairs[rank // 2]
+        for per_rank in ag_sizes:
+            src = torch.randn(per_rank)
+            dst = torch.empty(per_rank * 2)
+            t = timed(lambda: dist.all_gather_into_tensor(dst, src, group=mine), reps=4)
+            out["ag_pair"].append((per_rank * 4, t))
+        for per_peer in a2a_sizes:
+            send = torch.randn(per_peer * 2)
+            recv = torch.empty_like(send)
+            t = timed(lambda: dist.all_to_all_single(recv, send, group=mine), reps=4)
+            out["a2a_pair"].append((per_peer * 4, t))
 
     # Elementwise costs per element, on ``elems`` fp32 elements (all ranks at once).
     n = elems
@@ -183,19 +201,20 @@ def _fit_line(points: list) -> tuple[float, float]:
     return (1.0 / slope if slope > 0 else 1e12), lat
 
 
-def calibrate_cpu(nproc: int, out_path: Path, quick: bool = False) -> dict:
-    from megatron_muon.testing.launch import run_ranks
+def calibration_kwargs(quick: bool = False, ns_shapes: Optional[list] = None) -> dict:
+    """``calibrate_worker``'s arguments: NS on ``ns_shapes`` ((batch, m, n), default the
+    bench's default GPT), collectives on three sizes each, elementwise on 2M elements."""
+    default = [(8, 128, 128), (8, 384, 384), (4, 384, 1536)] if not quick else \
+        [(2, 128, 128), (1, 384, 384)]
+    return dict(ns_shapes=[tuple(x) for x in (ns_shapes or default)],
+                a2a_sizes=[1024, 65536, 524288], ag_sizes=[1024, 262144, 1048576],
+                elems=1 << 21, budget=0.5 if not quick else 0.1)
 
-    kwargs = dict(
-        ns_shapes=[(8, 128, 128), (8, 384, 384), (4, 384, 1536)] if not quick else
-        [(2, 128, 128), (1, 384, 384)],
-        a2a_sizes=[1024, 65536, 524288], ag_sizes=[1024, 262144, 1048576],
-        elems=1 << 21, budget=0.5 if not quick else 0.1)
-    t0 = time.time()
-    res = run_ranks("tools.cost_model:calibrate_worker", nproc, kwargs, timeout=300,
-                    env={"PYTHONPATH": str(ROOT)})
-    wall = time.time() - t0
-    # slowest rank counts (the bench takes the max over ranks too)
+
+def profile_from_results(res: list, nproc: int, wall: float) -> dict:
+    """The CPU profile (the dict ``cost_model_lib.cpu_hardware`` reads) from every rank's
+    ``calibrate_worker`` result: the slowest rank's rates and times (the bench takes the max
+    over ranks too), straight lines t = latency + bytes / bandwidth through the collectives."""
     ns_points = []
     for i, (s, big, b, _) in enumerate(res[0]["ns"]):
         ns_points.append((s, min(r["ns"][i][3] for r in res)))
@@ -215,7 +234,10 @@ def calibrate_cpu(nproc: int, out_path: Path, quick: bool = False) -> dict:
     if res[0]["ag_half"]:  # groups of nproc / 2: 'kind@size' (see cost_model_lib.collective_time)
         coll[f"all_gather@{nproc // 2}"] = list(_fit_line(worst("ag_half")))
         coll[f"all_to_all@{nproc // 2}"] = list(_fit_line(worst("a2a_half")))
-    prof = dict(
+    if res[0].get("ag_pair"):  # groups of 2 neighbours (TP2's TP groups)
+        coll["all_gather@2"] = list(_fit_line(worst("ag_pair")))
+        coll["all_to_all@2"] = list(_fit_line(worst("a2a_pair")))
+    return dict(
         when=time.strftime("%Y-%m-%d %H:%M"), nproc=nproc, wall_s=round(wall, 1),
         load_avg=os.getloadavg()[0], cpu_count=os.cpu_count(),
         ns_rate_points=ns_rate_points, ns_raw=[r["ns"] for r in res],
@@ -229,6 +251,15 @@ def calibrate_cpu(nproc: int, out_path: Path, quick: bool = False) -> dict:
         barrier_s=max(r["barrier_s"] for r in res),
         copy_bw=8.0 / max(r["copy_s_per_elem"] for r in res),
     )
+
+
+def calibrate_cpu(nproc: int, out_path: Path, quick: bool = False) -> dict:
+    from megatron_muon.testing.launch import run_ranks
+
+    t0 = time.time()
+    res = run_ranks("tools.cost_model:calibrate_worker", nproc, calibration_kwargs(quick),
+                    timeout=300, env={"PYTHONPATH": str(ROOT)})
+    prof = profile_from_results(res, nproc, time.time() - t0)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(prof, indent=1))
     return prof
@@ -354,6 +385,20 @@ def cpu_overhead(prof: dict, model: cm.ModelConfig, mode: str) -> float:
     ops = {"adamw": 20, "muon_naive": 30, "dmuon": 30}.get(mode, 25)
     # + the barrier after the step that the bench's timer includes (half a barrier pair)
     return prof["op_latency_s"] * ops * n + prof.get("barrier_s", 0.0) / 2
+
+
+def predict_bench(hw: cm.Hardware, prof: dict, model: cm.ModelConfig, layout: cm.Layout,
+                  mode: str, grad_norm_calls: int = 1, ns_dtype_bytes: int = 4) -> cm.Prediction:
+    """The model's prediction of one ``tools/bench_optimizer.py`` row: the bench's settings
+    (``bench_run_config``: fp32 params and grads, one bucket, nothing overlapped), the
+    calibrated per-step Python overhead (``cpu_overhead``) and ``grad_norm_calls``
+    all-reduces of the grad norm (1 with clipping)."""
+    run = cm.RunConfig(global_batch=layout.dp * 2, micro_batch=2, ns_steps=5, param_bytes=4,
+                       grad_bytes=4, muon_comm_bytes=4, ns_dtype_bytes=ns_dtype_bytes,
+                       overlap_grad_reduce=False, overlap_param_gather=False,
+                       main_copy_passes=1, step_overhead_s=cpu_overhead(prof, model, mode),
+                       grad_norm_calls=grad_norm_calls)
+    return cm.predict(model, layout, hw, mode, run)
 
 
 def validate(a) -> int:

@@ -72,7 +72,7 @@ __all__ = [
     "ModelConfig", "Layout", "RunConfig", "Hardware", "Prediction", "HARDWARE", "MODELS",
     "MODES", "EXTRA_MODES", "predict", "stage_tensors", "megatron_params", "zero1_holdings",
     "exchange_elements", "owner_exchange", "Exchange", "naive_exchange_bytes", "owner_exchange_bytes_even",
-    "collective_time", "Group", "load_cpu_profile", "fwd_bwd_seconds", "pingpong_owners",
+    "collective_time", "Group", "load_cpu_profile", "cpu_hardware", "fwd_bwd_seconds", "pingpong_owners",
     "ADAM_BYTES_PER_ELEM", "MUON_BYTES_PER_ELEM", "OWNED_BYTES_PER_ELEM", "layout_for", "sweep",
     "model_param_counts", "matrix_exchange", "placed_units", "split_allreduce", "RankSet",
     "water_fill", "mcore19_layout",
@@ -295,7 +295,11 @@ HARDWARE: dict[str, Hardware] = {
 def load_cpu_profile(path: str) -> Hardware:
     """The 'cpu' hardware from a calibration JSON written by ``tools/cost_model.py``."""
     with open(path) as fh:
-        d = json.load(fh)
+        return cpu_hardware(json.load(fh))
+
+
+def cpu_hardware(d: dict) -> Hardware:
+    """The 'cpu' hardware from a calibration (the dict ``tools/cost_model.py`` writes)."""
     coll = {k: tuple(v) for k, v in d["collectives"].items()}
     a2a_bw, a2a_lat = coll["all_to_all"]
     return Hardware(
