@@ -71,6 +71,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
 
 _RECORDED = []  # (loss sum, tokens) of every microbatch of this rank, for MLM_GPT_RUNS
 _BATCHES = []  # this rank's training microbatches, for the runs in spec["record_batches"]
+_RECORD_BATCHES = False  # set by run_many for exactly those runs
 
 
 def loss_func(loss_mask, output_tensor):
@@ -85,7 +86,7 @@ def loss_func(loss_mask, output_tensor):
 
 def forward_step(data_iterator, model):
     batch = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in next(data_iterator).items()}
-    if model.training:
+    if _RECORD_BATCHES and model.training:
         _BATCHES.append({k: v.detach().cpu().clone() for k, v in batch.items()
                          if torch.is_tensor(v)})
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
@@ -172,6 +173,7 @@ def _run_step(name: str, step: dict, out: Path, rank: int) -> None:
 
 
 def run_many(spec_path: str) -> None:
+    global _RECORD_BATCHES
     from megatron_muon.megatron.cpu_mode import cpu_mode_active
     from megatron_muon.megatron.cpu_run import with_cpu_defaults
 
@@ -187,6 +189,7 @@ def run_many(spec_path: str) -> None:
         sys.argv = [sys.argv[0]] + (with_cpu_defaults(argv) if cpu_mode_active() else argv)
         _RECORDED.clear()
         _BATCHES.clear()
+        _RECORD_BATCHES = name in spec.get("record_batches", ())
         with open(out / f"{name}.rank{rank}.log", "w") as log, contextlib.redirect_stdout(log):
             try:
                 main()
@@ -203,7 +206,7 @@ def run_many(spec_path: str) -> None:
                 start = get_args().iteration  # the iteration it started from (resumed)
                 (out / f"{name}.json").write_text(json.dumps(
                     {"losses": losses, "first_iteration": start + 1}))
-            if name in spec.get("record_batches", ()):
+            if _RECORD_BATCHES:
                 torch.save(list(_BATCHES), out / f"{name}.batches.rank{rank}.pt")
             _reset_megatron()
 
