@@ -2,8 +2,10 @@
 # GPU check of the batched Newton-Schulz kernels (megatron_muon.kernels).
 #
 # Run from the repository root with python3 on PATH (torch, triton; megatron-core for the
-# end-to-end part, Transformer Engine optional).  Budget: the per-part limits add up to
-# 520 s (< 9 minutes) on one H200.  On CUDA it
+# end-to-end part, Transformer Engine optional).  Budget: the whole script stops within
+# GPU_CHECK_BUDGET_S seconds (default 470, < 8 minutes): each part runs under the smaller
+# of its own limit and the time left (its own limits add up to 580 s on one H200; most
+# parts need far less), and a part with under 10 s left is skipped and reported.  On CUDA it
 #   1. checks the Triton kernels against torch at realistic sizes in fp32 and bf16,
 #   2. tunes the bench shapes with NSTuner and prints its table,
 #   3. measures NS throughput (TFLOP/s, % of bf16 peak) batched vs per-matrix loop
@@ -11,6 +13,10 @@
 #   4. runs the main job briefly as a GPU user gets it (examples/pretrain_gpt.py with its
 #      defaults: dmuon, Megatron's GPU settings, NS precision 'medium'; TP2 x DP2 on 4+
 #      GPUs, else TP1 on one), 30 iterations,
+#   4b. checks LoRA on Megatron-Core's Transformer Engine layers (TE layer spec, dense and
+#      grouped-expert MoE GPTs; megatron_muon/testing/lora_te_check.py): the adapted
+#      forward against the merged weights, and that a backward moves only the adapters;
+#      skipped with a message where Transformer Engine is not installed,
 #   5. runs it end to end on one GPU with a bigger model (CUDA, bf16, the Transformer
 #      Engine layer spec when it imports, 8 layers hidden 1024): AdamW, then
 #      dmuon with its default overlap policy ('auto', off at PP1) and the tuner choosing
@@ -32,14 +38,24 @@ PEAK="${PEAK_TFLOPS:-989}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MEGATRON_MUON_TUNER_CACHE="$OUT_DIR/ns_tuner.json"
 FAILED=0
+SKIPPED=0
+BUDGET="${GPU_CHECK_BUDGET_S:-470}"  # seconds for the whole script (bash's SECONDS: since start)
 
 log() { echo "$*" | tee -a "$REPORT"; }
 
-# step NAME SECONDS CMD...: run with a time limit, keep the output, record failure.
+# step NAME SECONDS CMD...: run with a time limit (capped by what is left of the budget),
+# keep the output, record failure.
 step() {
-    local name=$1 limit=$2 rc
+    local name=$1 limit=$2 rc left
     shift 2
+    left=$((BUDGET - SECONDS - 5))  # 5 s for the summary at the end
     log ""
+    if [ "$left" -lt 10 ]; then
+        log "== $name: skipped, the ${BUDGET}s budget is spent (${SECONDS}s so far)"
+        SKIPPED=$((SKIPPED + 1))
+        return 0
+    fi
+    if [ "$left" -lt "$limit" ]; then limit=$left; fi
     log "== $name (limit ${limit}s)"
     timeout "$limit" "$@" 2>&1 | tee -a "$REPORT"
     rc=${PIPESTATUS[0]}
@@ -139,7 +155,11 @@ EOF
         examples/pretrain_gpt.py ${MAIN[@]+"${MAIN[@]}"} --train-iters 30 --log-interval 10 \
         --log-json "$E2E/main.json"
 
-    # 5. the main job end to end on one GPU; limits 45+55+45+45 s (all parts: < 9 minutes)
+    # 4b. LoRA on the real Transformer Engine layers (skips itself, one line, without TE)
+    step "LoRA on Transformer Engine layers (TE spec: dense + grouped MoE, 1 GPU, fp32)" 60 \
+        "$PY" -m megatron_muon.testing.lora_te_check
+
+    # 5. the main job end to end on one GPU; limits 45+55+45+45 s (capped by the budget)
     MODEL=(--nproc 1 --tensor-model-parallel-size 1 --bf16 --transformer-impl auto
            --num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
            --micro-batch-size 4 --global-batch-size 16 --train-iters 20 --log-interval 10)
@@ -176,7 +196,7 @@ EOF
 else
     log ""
     log "== no CUDA device: skipping the GPU parts (CUDA Triton check, tuner, GPU bench," \
-        "end-to-end GPU run of examples/pretrain_gpt.py)"
+        "LoRA on Transformer Engine layers, end-to-end GPU run of examples/pretrain_gpt.py)"
     if "$PY" -c 'import triton' 2>/dev/null; then
         CHECK="$(mktemp "${TMPDIR:-/tmp}/ns_interp_XXXXXX.py")"
         cat > "$CHECK" <<'EOF'
@@ -204,6 +224,9 @@ EOF
 fi
 
 log ""
+if [ "$SKIPPED" -ne 0 ]; then
+    log "# gpu_check: $SKIPPED part(s) skipped for the time budget (GPU_CHECK_BUDGET_S=$BUDGET)"
+fi
 if [ "$FAILED" -ne 0 ]; then
     log "# gpu_check: FAILED (see above); report in $REPORT"
     [ "$HAVE_CUDA" -eq 1 ] && exit 1

@@ -46,7 +46,7 @@ from megatron_muon.megatron.compat import MCORE_VERSION
 
 __all__ = ["before", "after", "replace", "observe", "remove_all", "installed",
            "on_grad_sync_started", "before_param_sync", "on_backward_done", "Registration",
-           "SIGNATURES", "HookSignatureError"]
+           "SIGNATURES", "TE_SIGNATURES", "HookSignatureError"]
 
 _PG = "megatron.core.distributed.param_and_grad_buffer."
 _DDP = "megatron.core.distributed.distributed_data_parallel.DistributedDataParallel."
@@ -94,6 +94,22 @@ SIGNATURES: dict[str, dict[str, tuple]] = {
         "*": ("input_tensor", "output_tensor", "output_tensor_grad", "config")},
 }
 
+_TE = "megatron.core.extensions.transformer_engine."
+_STATE = ("self", "prefix", "sharded_offsets", "metadata")
+#: The Transformer Engine wrappers whose methods LoRA replaces (peft/lora.py), checked like
+#: SIGNATURES; apart because they resolve only where transformer_engine imports (CUDA):
+#: tests/test_lora_te.py reads them from the installed megatron-core's source instead.
+TE_SIGNATURES: dict[str, dict[str, tuple]] = {
+    _TE + "TELinear.forward": {"*": ("self", "x")},
+    _TE + "TELayerNormColumnParallelLinear.forward": {"*": ("self", "x")},
+    _TE + "TELMHeadColumnParallelLinear.forward": {
+        "*": ("self", "input_", "weight", "runtime_gather_output")},
+    _TE + "TEGroupedLinear.forward": {"*": ("self", "x", "m_splits")},
+    **{_TE + f"{cls}.sharded_state_dict": {"*": _STATE} for cls in (
+        "TELayerNormColumnParallelLinear", "TEColumnParallelLinear", "TERowParallelLinear",
+        "TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear")},
+}
+
 
 class HookSignatureError(RuntimeError):
     pass
@@ -119,13 +135,13 @@ def check_signature(obj, name: str) -> None:
     qual, fn = _definition(obj, name)
     if not qual.startswith("megatron."):
         return  # defined by torch, by this package or by a test: not Megatron's to change
-    if qual not in SIGNATURES:
+    known = SIGNATURES.get(qual) or TE_SIGNATURES.get(qual)
+    if known is None:
         raise HookSignatureError(
             f"megatron_muon hooks {qual} but has no expected signature for it: add it to "
             "megatron_muon/megatron/hooks.py SIGNATURES")
     fn = getattr(fn, "__func__", fn)  # staticmethod / classmethod
     got = tuple(inspect.signature(fn).parameters)
-    known = SIGNATURES[qual]
     want = known.get(_version_key(), known.get("*"))
     if got != want:
         raise HookSignatureError(

@@ -39,9 +39,11 @@ base weights as well.  What a load reads follows from the checkpoint's keys:
 ``python -m megatron_muon.peft.merge`` folds the adapters into the base and writes an
 ordinary Megatron checkpoint (``peft/merge.py``).
 
-Not here: Transformer Engine layers (``lora.py`` refuses them in one line: use
-``--transformer-impl local``), adapter dropout (``--lora-dropout`` > 0 is refused),
-Megatron-FSDP / torch FSDP2, ``--dmuon-placement matrix`` / ``--dmuon-zero3``.
+Layers: the local spec's and the Transformer Engine spec's (``lora.py`` lists which TE
+layers it adapts and refuses the rest, and TE's fused-op paths, in one line).
+
+Not here: adapter dropout (``--lora-dropout`` > 0 is refused), Megatron-FSDP / torch
+FSDP2, ``--dmuon-placement matrix`` / ``--dmuon-zero3``.
 """
 
 from __future__ import annotations
@@ -107,7 +109,9 @@ def add_peft_args(parser):
                    help="dropout on the adapter input (only 0 is supported)")
     g.add_argument("--lora-target-modules", nargs="+", default=list(DEFAULT_TARGET_MODULES),
                    help="modules that get adapters: names (or dotted name suffixes) of "
-                        "ColumnParallelLinear / RowParallelLinear modules, comma or space "
+                        "ColumnParallelLinear / RowParallelLinear modules or their Transformer "
+                        "Engine counterparts (TELayerNormColumnParallelLinear, "
+                        "TERowParallelLinear, ...), comma or space "
                         "separated; experts' linear_fc1 / linear_fc2 match too; the aliases "
                         "qkv, proj, fc1, fc2 (dense only) and experts are accepted")
     g.add_argument("--lora-save-base", action="store_true",

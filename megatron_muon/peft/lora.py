@@ -1,4 +1,4 @@
-"""LoRA adapters for Megatron-Core's ``ColumnParallelLinear`` and ``RowParallelLinear`` (docs/design.md#smuon-and-lora).
+"""LoRA adapters for Megatron-Core's parallel linear layers, local and Transformer Engine (docs/design.md#smuon-and-lora).
 
 A LoRA layer computes ``y = x W^T + gamma * (x A^T) B^T``, i.e. ``W = W0 + gamma B A`` with
 ``W0`` (m x n, out x in) frozen, ``A``: r x n, ``B``: m x r and ``gamma = alpha / r``.
@@ -33,14 +33,43 @@ weight's ``allreduce`` flag (``False`` for expert-parallel experts: Megatron DDP
 them over the expert-data-parallel group).  Megatron DDP only allocates gradient buffers for
 parameters that require grad, so the frozen base costs no gradient memory.
 
+Transformer Engine layers (Megatron-Core's TE layer spec) are adapted the same way, told
+apart by class name (nothing here imports ``transformer_engine``):
+
+* ``TEColumnParallelLinear`` / ``TERowParallelLinear``: as the local column / row layers
+  (same branch code; TE's own input all-gather / output reduction happen inside the base).
+* ``TELayerNormColumnParallelLinear`` (the layernorm fused into a column-parallel linear):
+  the branch must multiply what the base matmul multiplies, the *normalised* input, which
+  only TE computes.  The layer is switched to ``return_layernorm_output = True`` (and
+  ``return_layernorm_output_gathered = False``), so TE returns the layernorm output too
+  (``((out, ln_out), None)``, or ``(out, bias, ln_out)`` with ``skip_bias_add``); under
+  sequence parallelism that ``ln_out`` is this rank's sequence chunk, exactly the input
+  the local column branch expects.  TE's backward adds the branch's gradient of ``ln_out``
+  to its own, through the layernorm.
+* ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear`` (``TEGroupedMLP``:
+  one module per expert group, weights ``weight0 .. weight{E-1}``, ``forward(x, m_splits)``):
+  one adapter per local expert (``<layer>.lora.<i>.A`` / ``.B``, a :class:`GroupedLoRA`),
+  applied to the expert's ``m_splits[i]`` rows.  The global names are SequentialMLP's
+  (``...experts.local_experts.<global expert>.linear_fc1``), and so are the sharded
+  checkpoint keys (``...experts.linear_fc1.lora.A`` with the expert axis), so adapters move
+  between the two expert implementations.
+
+Refused in one line each: any other TE layer (``TELinear`` "duplicated", ...), TE layers
+run through TE's fused ops (``TEFusedMLP``, ``FusedSharedExpertMLP``, ``TEGroupedMLP``
+with ``use_transformer_engine_op_fuser``: the fused path never calls the layer's forward), a
+grouped linear with one stacked weight (``moe_single_grouped_weight``), fp8 primary
+weights (a ``transformer_engine`` tensor type), and a ``TELayerNormColumnParallelLinear``
+whose layernorm output is already returned to someone else.
+
 Targets: ``qkv`` (``self_attention.linear_qkv``), ``proj`` (``self_attention.linear_proj``),
 ``fc1`` / ``fc2`` (dense and shared-expert MLP ``linear_fc1`` / ``linear_fc2``), ``experts``
-(every ``linear_fc1`` / ``linear_fc2`` of a ``SequentialMLP``'s local experts; grouped-GEMM
-experts have no linear modules and are not supported; expert tensor parallelism must be 1),
-or any module name / dotted name suffix (``output_layer``, ``layers.3.mlp.linear_fc2``) that
-names a ``ColumnParallelLinear`` / ``RowParallelLinear``.  A name that matches nothing or
-matches another kind of module is a ``ValueError``; an alias may match nothing (``fc1`` in an
-all-MoE model, ``experts`` in a dense one) as long as the targets together match something.
+(every ``linear_fc1`` / ``linear_fc2`` of a ``SequentialMLP``'s local experts or of a
+``TEGroupedMLP``; the legacy local ``GroupedMLP`` has no linear modules and is not
+supported; expert tensor parallelism must be 1), or any module name / dotted name suffix
+(``output_layer``, ``layers.3.mlp.linear_fc2``) that names one of the layers above.  A name
+that matches nothing or matches another kind of module is a ``ValueError``; an alias may
+match nothing (``fc1`` in an all-MoE model, ``experts`` in a dense one) as long as the
+targets together match something.
 
 Checkpoints.  ``save_lora(path, model)`` writes one file with the *full, TP-unsharded*
 factors in the TP1 layout (a gated ``linear_fc1``'s rows ``[gate; up]``), keyed by global
@@ -49,9 +78,10 @@ them for whatever TP / PP / EP layout the model has.  The layers' ``sharded_stat
 extended too, so a full ``dist_checkpointing`` checkpoint of a LoRA model stores the
 adapters correctly sharded.
 
-Not supported: Transformer Engine layers (``TELayerNormColumnParallelLinear`` fuses the
-layernorm into the layer, so its input is not visible; use the local spec), dropout on the
-adapter input, expert tensor parallelism > 1, layers with ``disable_grad_reduce``.
+Not supported: dropout on the adapter input, expert tensor parallelism > 1, layers with
+``disable_grad_reduce``, the TE cases refused above.  The TE paths are tested on CPU with
+stand-ins of the TE classes (tests/test_lora_te.py) and for real only by
+``tools/gpu_check.sh`` (megatron_muon/testing/lora_te_check.py).
 """
 
 from __future__ import annotations
@@ -71,6 +101,8 @@ import torch.distributed as dist
 __all__ = [
     "LoRAConfig",
     "LoRAAdapter",
+    "GroupedLoRA",
+    "TE_LAYERS",
     "LORA_TARGETS",
     "apply_lora",
     "lora_adapters",
@@ -149,8 +181,44 @@ def _linear_classes():
     return ColumnParallelLinear, RowParallelLinear
 
 
+#: Transformer Engine layers LoRA adapts: class name -> (kind, family).  Matched by name
+#: along the class's MRO (a subclass is one of them too), so that nothing here imports
+#: transformer_engine.
+TE_LAYERS = {
+    "TELayerNormColumnParallelLinear": ("column", "te_layernorm"),
+    "TEColumnParallelLinear": ("column", "te"),
+    "TERowParallelLinear": ("row", "te"),
+    "TEColumnParallelGroupedLinear": ("column", "te_grouped"),
+    "TERowParallelGroupedLinear": ("row", "te_grouped"),
+}
+_SUPPORTED = ("ColumnParallelLinear, RowParallelLinear, " + ", ".join(TE_LAYERS))
+
+
+def _is_te(module) -> bool:
+    return any(c.__name__.startswith("TE") or "transformer_engine" in c.__module__
+               for c in type(module).__mro__)
+
+
+def _layer_kind(module) -> Optional[tuple[str, str]]:
+    """``(kind, family)`` of a layer LoRA adapts (``kind``: ``"column"`` / ``"row"``;
+    ``family``: ``"local"``, ``"te"``, ``"te_layernorm"``, ``"te_grouped"``), else None."""
+    Column, Row = _linear_classes()
+    if isinstance(module, Column):
+        return "column", "local"
+    if isinstance(module, Row):
+        return "row", "local"
+    for cls in type(module).__mro__:
+        if cls.__name__ in TE_LAYERS:
+            return TE_LAYERS[cls.__name__]
+    return None
+
+
 def _tp_group_of(base):
-    group = getattr(base, "tp_group", None)
+    # TE wrappers keep Megatron's TP group in ``_tp_group`` (their ``tp_group`` is TE's own,
+    # None for experts whose communication Megatron does explicitly).
+    group = getattr(base, "_tp_group", None)
+    if group is None:
+        group = getattr(base, "tp_group", None)
     if group is None:
         from megatron.core import parallel_state as ps
 
@@ -166,15 +234,18 @@ class LoRAAdapter(torch.nn.Module):
     ``tp_rank``, ``tp_group``, ``sharded`` (``"A"``, ``"B"`` or ``None`` when TP is 1),
     ``name`` (module name in this chunk), ``global_name`` (layout-independent), ``gated``
     (a SwiGLU ``linear_fc1``, whose TP shards are ``[gate_t; up_t]``), ``merged``,
-    ``enabled``.
+    ``enabled``, ``weight_name`` (the base weight it adapts: ``weight``, or ``weight<i>``
+    for expert ``i`` of a TE grouped linear), ``is_expert``.
     """
 
     def __init__(self, base: torch.nn.Module, kind: str, name: str, global_name: str,
-                 config: LoRAConfig, gated: bool = False):
+                 config: LoRAConfig, gated: bool = False, weight_name: str = "weight",
+                 is_expert: Optional[bool] = None):
         super().__init__()
         self.kind = kind
         self.name = name
         self.global_name = global_name
+        self.weight_name = weight_name
         self.rank = int(config.rank)
         self.alpha = float(config.alpha)
         self.gamma = config.gamma
@@ -182,10 +253,11 @@ class LoRAAdapter(torch.nn.Module):
         self.tp_group = _tp_group_of(base)
         self.tp_size = dist.get_world_size(self.tp_group) if dist.is_initialized() else 1
         self.tp_rank = dist.get_rank(self.tp_group) if dist.is_initialized() else 0
-        self.is_expert = bool(getattr(base, "is_expert", False))
+        self.is_expert = bool(getattr(base, "is_expert", False) if is_expert is None
+                              else is_expert)
         self.merged = False
         self.enabled = True
-        w = base.weight
+        w = getattr(base, weight_name)
         m_loc, n_loc = w.shape
         if kind == "column":
             m, n = m_loc * self.tp_size, n_loc
@@ -228,7 +300,7 @@ class LoRAAdapter(torch.nn.Module):
             set_defaults_if_not_set_tensor_model_parallel_attributes,
             set_tensor_model_parallel_attributes)
 
-        allreduce = getattr(base.weight, "allreduce", True)
+        allreduce = getattr(getattr(base, self.weight_name), "allreduce", True)
         sharded, replicated = (self.B, self.A) if self.kind == "column" else (self.A, self.B)
         set_tensor_model_parallel_attributes(sharded, True, 0 if self.kind == "column" else 1, 1)
         set_defaults_if_not_set_tensor_model_parallel_attributes(replicated)
@@ -315,7 +387,8 @@ class LoRAAdapter(torch.nn.Module):
     def merge(self, base) -> bool:
         if self.merged:
             return False
-        base.weight.add_(self.local_delta().to(base.weight.dtype))
+        w = getattr(base, self.weight_name)
+        w.add_(self.local_delta().to(w.dtype))
         self.merged = True
         return True
 
@@ -323,28 +396,35 @@ class LoRAAdapter(torch.nn.Module):
     def unmerge(self, base) -> bool:
         if not self.merged:
             return False
-        base.weight.sub_(self.local_delta().to(base.weight.dtype))
+        w = getattr(base, self.weight_name)
+        w.sub_(self.local_delta().to(w.dtype))
         self.merged = False
         return True
 
 
+class GroupedLoRA(torch.nn.ModuleList):
+    """The adapters of a TE grouped linear: child ``i`` adapts expert ``i``'s ``weight<i>``."""
+
+
 # ============================================================================== forwards
+def _active(ad: LoRAAdapter) -> Optional[LoRAAdapter]:
+    """The adapter when it adds a term (not merged, not disabled), else None."""
+    return None if ad.merged or not ad.enabled else ad
+
+
 def _base_forward(self, input_, args, kwargs):
     """The layer's own forward, and its adapter when the adapter adds a term (else None)."""
     output, output_bias = type(self).forward(self, input_, *args, **kwargs)
-    ad: LoRAAdapter = self.lora
-    return output, output_bias, (None if ad.merged or not ad.enabled else ad)
+    return output, output_bias, _active(self.lora)
 
 
-def _column_lora_forward(self, input_, *args, **kwargs):
-    output, output_bias, ad = _base_forward(self, input_, args, kwargs)
-    if ad is None:
-        return output, output_bias
+def _column_branch(ad: LoRAAdapter, x: torch.Tensor, gather: bool) -> torch.Tensor:
+    """gamma (x A^T) B_t^T for a column-parallel layer whose matmul multiplies ``x``."""
     from megatron.core.tensor_parallel.mappings import (
         copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
         gather_from_tensor_model_parallel_region)
 
-    h = torch.nn.functional.linear(input_, ad.A)  # [s(/tp), b, r], replicated A
+    h = torch.nn.functional.linear(x, ad.A)  # [s(/tp), b, r], replicated A
     if ad.tp_size > 1:
         if ad.sequence_parallel:
             h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True,
@@ -352,24 +432,18 @@ def _column_lora_forward(self, input_, *args, **kwargs):
         else:  # the r-wide gradient of h is a partial sum over B's row shards
             h = copy_to_tensor_model_parallel_region(h, group=ad.tp_group)
     delta = torch.nn.functional.linear(h, ad.B) * ad.gamma  # [s, b, m/tp]
-    gather = kwargs.get("runtime_gather_output", args[1] if len(args) > 1 else None)
-    if gather is None:
-        gather = self.gather_output
     if gather and ad.tp_size > 1:
         delta = gather_from_tensor_model_parallel_region(delta, group=ad.tp_group)
-    return output + delta.to(output.dtype), output_bias
+    return delta
 
 
-def _row_lora_forward(self, input_, *args, **kwargs):
-    output, output_bias, ad = _base_forward(self, input_, args, kwargs)
-    if ad is None:
-        return output, output_bias
+def _row_branch(ad: LoRAAdapter, x: torch.Tensor, input_is_parallel: bool) -> torch.Tensor:
+    """gamma (x_t A_t^T, reduced over TP) B^T for a row-parallel layer."""
     from megatron.core.tensor_parallel.mappings import (
         reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
         scatter_to_tensor_model_parallel_region)
 
-    x = input_
-    if ad.tp_size > 1 and not self.input_is_parallel:
+    if ad.tp_size > 1 and not input_is_parallel:
         x = scatter_to_tensor_model_parallel_region(x, group=ad.tp_group)
     h = torch.nn.functional.linear(x, ad.A)  # partial sum over A's column shards
     if ad.tp_size > 1:
@@ -377,8 +451,66 @@ def _row_lora_forward(self, input_, *args, **kwargs):
             h = reduce_scatter_to_sequence_parallel_region(h, group=ad.tp_group)
         else:
             h = reduce_from_tensor_model_parallel_region(h, group=ad.tp_group)
-    delta = torch.nn.functional.linear(h, ad.B) * ad.gamma
+    return torch.nn.functional.linear(h, ad.B) * ad.gamma
+
+
+def _column_lora_forward(self, input_, *args, **kwargs):
+    """``ColumnParallelLinear`` and ``TEColumnParallelLinear`` (TE: ``forward(x)``, no
+    ``gather_output``)."""
+    output, output_bias, ad = _base_forward(self, input_, args, kwargs)
+    if ad is None:
+        return output, output_bias
+    gather = kwargs.get("runtime_gather_output", args[1] if len(args) > 1 else None)
+    if gather is None:
+        gather = getattr(self, "gather_output", False)
+    return output + _column_branch(ad, input_, gather).to(output.dtype), output_bias
+
+
+def _row_lora_forward(self, input_, *args, **kwargs):
+    """``RowParallelLinear`` and ``TERowParallelLinear`` (TE: input always parallel)."""
+    output, output_bias, ad = _base_forward(self, input_, args, kwargs)
+    if ad is None:
+        return output, output_bias
+    delta = _row_branch(ad, input_, getattr(self, "input_is_parallel", True))
     return output + delta.to(output.dtype), output_bias
+
+
+def _layernorm_column_lora_forward(self, input_, *args, **kwargs):
+    """``TELayerNormColumnParallelLinear`` with ``return_layernorm_output = True`` (set by
+    ``apply_lora``): Megatron's wrapper returns ``((out, ln_out), None)``, or TE's
+    ``(out, bias, ln_out)`` when it returns the bias; the branch multiplies ``ln_out``."""
+    result = type(self).forward(self, input_, *args, **kwargs)
+    if isinstance(result[0], (tuple, list)):
+        (output, ln_out), output_bias = result
+    else:
+        output, output_bias, ln_out = result
+    ad = _active(self.lora)
+    if ad is None:
+        return output, output_bias
+    return output + _column_branch(ad, ln_out, False).to(output.dtype), output_bias
+
+
+def _grouped_lora_forward(self, input_, m_splits, *args, **kwargs):
+    """``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear``: ``input_`` holds
+    the local experts' tokens one after another (``m_splits[i]`` rows for expert ``i``);
+    each expert's rows get its own adapter's branch."""
+    output, output_bias = type(self).forward(self, input_, m_splits, *args, **kwargs)
+    active = [_active(ad) for ad in self.lora]
+    if not any(ad is not None for ad in active):
+        return output, output_bias
+    splits = m_splits.tolist() if torch.is_tensor(m_splits) else [int(m) for m in m_splits]
+    if len(splits) != len(active):
+        raise ValueError(f"{type(self).__name__}: {len(splits)} token splits for "
+                         f"{len(active)} expert adapters")
+    pieces = []
+    for ad, x in zip(active, torch.split(input_, splits, dim=0)):
+        if ad is None:
+            pieces.append(output.new_zeros(*x.shape[:-1], output.shape[-1]))
+        elif ad.kind == "column":
+            pieces.append(_column_branch(ad, x, False).to(output.dtype))
+        else:
+            pieces.append(_row_branch(ad, x, True).to(output.dtype))
+    return output + torch.cat(pieces, dim=0), output_bias
 
 
 def _lora_sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
@@ -403,6 +535,67 @@ def _lora_sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None)
 
         sharded[key] = apply_swiglu_sharded_factory(
             sharded[key], sharded_offsets, (metadata or {}).get("singleton_local_shards", False))
+    return sharded
+
+
+def _expert_layout(module, experts=None) -> tuple[int, int]:
+    """(EP rank, EP size) of a TE grouped linear (its process groups, else the parent
+    ``TEGroupedMLP``'s ``ep_group``, else parallel_state)."""
+    group = getattr(getattr(module, "_pg_collection", None), "ep", None)
+    if group is None and experts is not None:
+        group = getattr(experts, "ep_group", None)
+    if group is not None:
+        return dist.get_rank(group), dist.get_world_size(group)
+    if not dist.is_initialized():
+        return 0, 1
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
+
+
+def _grouped_lora_sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+    """A TE grouped linear's sharded state dict (its own, for the base weights) plus each
+    expert's factors, keyed as SequentialMLP keys them: ``{prefix}lora.A`` with the global
+    expert as a leading axis (or, with ``singleton_local_shards``, ``{expert}.{prefix}...``),
+    the sharded factor split along TP like the weight, a gated fc1's ``B`` split in
+    ``[gate; up]`` halves like the weight (``TEGroupedMLP`` does that for ``weight<i>``)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    sharded = type(self).sharded_state_dict(self, prefix, sharded_offsets, metadata)
+    group: GroupedLoRA = self.lora
+    metadata = metadata or {}
+    singleton = metadata.get("singleton_local_shards", False)
+    dp_cp = metadata.get("dp_cp_group")
+    if dp_cp is None:
+        dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+    ep_rank, ep_size = _expert_layout(self)
+    expt_dp = getattr(getattr(self, "_pg_collection", None), "expt_dp", None)
+    edp_rank = dist.get_rank(expt_dp) if expt_dp is not None else \
+        ps.get_expert_data_parallel_rank()
+    num_global = ep_size * len(group)
+    for i, ad in enumerate(group):
+        expert = ep_rank * len(group) + i
+        if singleton:
+            expert_prefix, offsets = f"{expert}.{prefix}", tuple(sharded_offsets)
+        else:
+            expert_prefix = prefix
+            offsets = (*sharded_offsets, (len(sharded_offsets), expert, num_global))
+        axis = {f"{i}.lora.B": 0} if ad.kind == "column" else {f"{i}.lora.A": 1}
+        sub = make_sharded_tensors_for_checkpoint({f"{i}.lora.A": ad.A, f"{i}.lora.B": ad.B},
+                                                  "", axis, offsets, tp_group=ad.tp_group,
+                                                  dp_cp_group=dp_cp)
+        replace_prefix_for_sharding(sub, f"{i}.", expert_prefix)
+        for sh in sub.values():  # experts are replicated over the expert-data-parallel group
+            sh.replica_id = (*sh.replica_id[:2], edp_rank)
+        if ad.gated:
+            from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+            sub[f"{i}.lora.B"] = apply_swiglu_sharded_factory(sub[f"{i}.lora.B"], offsets,
+                                                              singleton)
+        for factor in ("A", "B"):
+            sharded[f"{prefix}lora.{i}.{factor}"] = sub[f"{i}.lora.{factor}"]
     return sharded
 
 
@@ -450,9 +643,15 @@ def _global_name(root: torch.nn.Module, name: str) -> str:
     return out
 
 
+def _in_experts(name: str) -> bool:
+    """A SequentialMLP's local expert, or a TEGroupedMLP's grouped linear (``experts.fc``)."""
+    parts = name.split(".")
+    return "local_experts" in parts[:-1] or (len(parts) > 1 and parts[-2] == "experts")
+
+
 def _alias_matches(alias: str, name: str) -> bool:
     leaf = name.rsplit(".", 1)[-1]
-    in_experts = ".local_experts." in f".{name}"
+    in_experts = _in_experts(name)
     if alias == "qkv":
         return leaf == "linear_qkv"
     if alias == "proj":
@@ -464,14 +663,58 @@ def _alias_matches(alias: str, name: str) -> bool:
     raise AssertionError(alias)
 
 
-def _match_targets(root: torch.nn.Module, targets: Sequence[str]) -> list[tuple[str, torch.nn.Module]]:
-    """Modules named by ``targets``.  A module-name target must match; an alias may match
-    nothing (``fc1`` in an all-MoE model, ``experts`` in a dense one) as long as the targets
-    together match something."""
-    Column, Row = _linear_classes()
+def _parent(root: torch.nn.Module, name: str) -> Optional[torch.nn.Module]:
+    return root.get_submodule(name.rsplit(".", 1)[0]) if "." in name else None
+
+
+def _unsupported(root: torch.nn.Module, name: str, module, family: str) -> Optional[str]:
+    """Why LoRA cannot adapt this layer (one line), or None."""
+    what = f"{name} ({type(module).__name__})"
+    parent = _parent(root, name)
+    if family != "local":
+        # TEFusedMLP, FusedSharedExpertMLP, TEGroupedMLP's fused path: the fused ops share
+        # the layer's weights but never call its forward (nor would they call the branch)
+        fused = (parent is not None and (any("Fused" in c.__name__ for c in type(parent).__mro__)
+                                         or getattr(parent, "_with_fused_impl", False))) \
+            or getattr(getattr(module, "config", None), "use_transformer_engine_op_fuser", False)
+        if fused:
+            return (f"{what} runs through Transformer Engine's fused ops "
+                    f"({type(parent).__name__ if parent is not None else 'the MLP'}), which "
+                    f"never call the layer's forward; build without the op fuser "
+                    f"(use_transformer_engine_op_fuser / use_grouped_gemm_for_shared_expert)")
+    if family == "te_grouped":
+        num = int(getattr(module, "num_gemms", 0))
+        weights = [getattr(module, f"weight{i}", None) for i in range(num)]
+        if num < 1 or any(w is None for w in weights):
+            return (f"{what} does not hold one weight per expert (weight0..weight{num - 1}; "
+                    f"moe_single_grouped_weight stacks them), which LoRA needs")
+    else:
+        weights = [getattr(module, "weight", None)]
+        if weights[0] is None:
+            return (f"{what}: LoRA needs the layer's own weight "
+                    f"(skip_weight_param_allocation is not supported)")
+    for w in weights:
+        if "transformer_engine" in type(w).__module__:
+            return (f"{what} keeps its weight as a Transformer Engine {type(w).__name__} "
+                    f"(fp8 primary weights), which LoRA cannot merge into; keep the weights "
+                    f"in high precision")
+    if getattr(module, "disable_grad_reduce", False):
+        return f"{what}: layers with disable_grad_reduce are not supported"
+    if family == "te_layernorm" and getattr(module, "return_layernorm_output", False):
+        return (f"{what} already returns its layernorm output to another consumer; LoRA "
+                f"needs that output for its own branch")
+    return None
+
+
+def _match_targets(root: torch.nn.Module, targets: Sequence[str]
+                   ) -> list[tuple[str, torch.nn.Module, str, str]]:
+    """``(name, module, kind, family)`` of the modules named by ``targets``, checked (a
+    layer LoRA cannot adapt is a one-line ``ValueError``).  A module-name target must
+    match; an alias may match nothing (``fc1`` in an all-MoE model, ``experts`` in a dense
+    one) as long as the targets together match something."""
     modules = dict(root.named_modules())
     order = {n: i for i, n in enumerate(modules)}
-    chosen: dict[str, torch.nn.Module] = {}
+    chosen: dict[str, tuple] = {}
     for target in targets:
         if target in LORA_TARGETS:
             hits = [(n, m) for n, m in modules.items() if n and _alias_matches(target, n)]
@@ -483,25 +726,65 @@ def _match_targets(root: torch.nn.Module, targets: Sequence[str]) -> list[tuple[
                     f"unknown LoRA target {target!r}: not one of {list(LORA_TARGETS)} and not "
                     f"the name (or a dotted name suffix) of a module of the model")
         for n, m in hits:
-            if type(m).__name__.startswith("TE") or "transformer_engine" in type(m).__module__:
+            layer = _layer_kind(m)
+            if layer is None and _is_te(m):
                 raise ValueError(
                     f"LoRA target {target!r} matches {n} ({type(m).__name__}), a Transformer "
-                    f"Engine layer; LoRA supports Megatron's ColumnParallelLinear and "
-                    f"RowParallelLinear (build the model with the local layer spec)")
-            if not isinstance(m, (Column, Row)):
+                    f"Engine layer LoRA does not adapt; it adapts {_SUPPORTED}")
+            if layer is None:
                 raise ValueError(
                     f"LoRA target {target!r} matches {n} ({type(m).__name__}), which is not a "
-                    f"linear layer (ColumnParallelLinear or RowParallelLinear)")
-            chosen[n] = m
+                    f"linear layer LoRA adapts ({_SUPPORTED})")
+            if hasattr(m, "lora"):
+                raise ValueError(f"{n} already has a LoRA adapter")
+            why = _unsupported(root, n, m, layer[1])
+            if why is not None:
+                raise ValueError(f"LoRA target {target!r}: {why}")
+            chosen[n] = (n, m, *layer)
     has_layers = any(re.search(r"(^|\.)layers\.\d+$", n) for n in modules)
     if not chosen and has_layers:
         if "experts" in targets:
             raise ValueError(
                 "LoRA target 'experts': the model has no expert linear layers (a dense model, "
-                "or grouped-GEMM experts, which have no linear modules and are not supported; "
-                "use moe_grouped_gemm=False)")
+                "or the legacy local GroupedMLP, which has no linear modules and is not "
+                "supported; use SequentialMLP (moe_grouped_gemm=False) or TEGroupedMLP)")
         raise ValueError(f"LoRA targets {list(targets)} match no layer of this model")
-    return sorted(chosen.items(), key=lambda item: order[item[0]])
+    return sorted(chosen.values(), key=lambda item: order[item[0]])
+
+
+def _grouped_global_names(root: torch.nn.Module, name: str, module) -> list[str]:
+    """SequentialMLP's names for a TE grouped linear's experts:
+    ``...experts.linear_fc1`` -> ``...experts.local_experts.<global expert>.linear_fc1``."""
+    base, leaf = _global_name(root, name).rsplit(".", 1)
+    num = int(module.num_gemms)
+    ep_rank, _ = _expert_layout(module, _parent(root, name))
+    return [f"{base}.local_experts.{ep_rank * num + i}.{leaf}" for i in range(num)]
+
+
+def _build_adapters(root, name: str, module, kind: str, family: str, config: LoRAConfig):
+    """The adapter of one layer: a LoRAAdapter, or a GroupedLoRA for a TE grouped linear."""
+    gated = (name.rsplit(".", 1)[-1] == "linear_fc1"
+             and bool(getattr(getattr(module, "config", None), "gated_linear_unit", False)))
+    if family == "te_grouped":
+        ads = [LoRAAdapter(module, kind, name, gname, config, gated=gated,
+                           weight_name=f"weight{i}", is_expert=True)
+               for i, gname in enumerate(_grouped_global_names(root, name, module))]
+        adapter = GroupedLoRA(ads)
+    else:
+        is_expert = None if family == "local" else (
+            bool(getattr(module, "is_expert", False)) or _in_experts(name))
+        ads = [LoRAAdapter(module, kind, name, _global_name(root, name), config, gated=gated,
+                           is_expert=is_expert)]
+        adapter = ads[0]
+    for ad in ads:
+        if ad.is_expert and ad.tp_size > 1:
+            raise ValueError(f"{name}: LoRA on experts needs expert tensor parallelism 1 "
+                             f"(it is {ad.tp_size})")
+    return adapter
+
+
+_FORWARDS = {"te_layernorm": {"column": _layernorm_column_lora_forward},
+             "te_grouped": {"column": _grouped_lora_forward, "row": _grouped_lora_forward}}
 
 
 def apply_lora(model, config: Optional[LoRAConfig] = None, **kwargs) -> list[LoRAAdapter]:
@@ -510,7 +793,8 @@ def apply_lora(model, config: Optional[LoRAConfig] = None, **kwargs) -> list[LoR
     Call it after loading the base weights and *before* wrapping the model in Megatron's
     ``DistributedDataParallel``.  Keyword arguments build a :class:`LoRAConfig` when
     ``config`` is None (``apply_lora(model, rank=8, alpha=16, targets=["qkv"])``).
-    Returns the adapters, in module order.
+    Returns the adapters, in module order (a TE grouped linear's in expert order).  Every
+    check runs before the model is changed: on an error the model is as it was.
     """
     if config is None:
         config = LoRAConfig(**kwargs)
@@ -523,7 +807,6 @@ def apply_lora(model, config: Optional[LoRAConfig] = None, **kwargs) -> list[LoR
     config.validate()
     from megatron.core.utils import unwrap_model
 
-    Column, _ = _linear_classes()
     chunks = _as_chunks(model)
     for chunk in chunks:
         if _is_ddp(chunk):
@@ -532,52 +815,50 @@ def apply_lora(model, config: Optional[LoRAConfig] = None, **kwargs) -> list[LoR
     plan = []
     for chunk in chunks:
         root = unwrap_model(chunk)
-        for name, module in _match_targets(root, config.targets):
-            if hasattr(module, "lora"):
-                raise ValueError(f"{name} already has a LoRA adapter")
-            plan.append((root, name, module))
-    adapters = []
-    for root, name, module in plan:
-        kind = "column" if isinstance(module, Column) else "row"
-        if getattr(module, "weight", None) is None:
-            raise ValueError(f"{name}: LoRA needs the layer's own weight "
-                             "(skip_weight_param_allocation is not supported)")
-        if getattr(module, "disable_grad_reduce", False):
-            raise ValueError(f"{name}: layers with disable_grad_reduce are not supported")
-        gated = (name.rsplit(".", 1)[-1] == "linear_fc1"
-                 and bool(getattr(module.config, "gated_linear_unit", False)))
-        adapter = LoRAAdapter(module, kind, name, _global_name(root, name), config, gated=gated)
-        if adapter.is_expert and adapter.tp_size > 1:
-            raise ValueError(f"{name}: LoRA on experts needs expert tensor parallelism 1 "
-                             f"(it is {adapter.tp_size})")
-        adapters.append((module, adapter))
+        for name, module, kind, family in _match_targets(root, config.targets):
+            plan.append((root, name, module, kind, family))
+    adapters = [(module, family, kind,
+                 _build_adapters(root, name, module, kind, family, config))
+                for root, name, module, kind, family in plan]
     if config.freeze_base:
         for chunk in chunks:
             for p in chunk.parameters():
                 p.requires_grad_(False)
-    for module, adapter in adapters:
+    for module, family, kind, adapter in adapters:
         module.add_module("lora", adapter)
-        forward = _column_lora_forward if adapter.kind == "column" else _row_lora_forward
+        if family == "te_layernorm":  # TE returns the normalised input with the output
+            module.return_layernorm_output = True
+            if hasattr(module, "return_layernorm_output_gathered"):
+                module.return_layernorm_output_gathered = False
+        forward = _FORWARDS.get(family, {}).get(kind) or (
+            _column_lora_forward if kind == "column" else _row_lora_forward)
+        sharded = _grouped_lora_sharded_state_dict if family == "te_grouped" \
+            else _lora_sharded_state_dict
         hooks.replace(module, "forward", types.MethodType(forward, module), owner="LoRA")
-        hooks.replace(module, "sharded_state_dict",
-                      types.MethodType(_lora_sharded_state_dict, module), owner="LoRA")
+        hooks.replace(module, "sharded_state_dict", types.MethodType(sharded, module),
+                      owner="LoRA")
     if config.freeze_base:
         for chunk in chunks:
             for module in chunk.modules():
-                # Megatron's fused wgrad accumulation writes into weight.main_grad, which a
-                # frozen weight does not have.
-                if hasattr(module, "gradient_accumulation_fusion") and \
-                        getattr(getattr(module, "weight", None), "requires_grad", True) is False:
-                    module.gradient_accumulation_fusion = False
-    for _, adapter in adapters:
-        adapter.A.requires_grad_(True)
-        adapter.B.requires_grad_(True)
+                # Megatron's fused wgrad accumulation (TE: fuse_wgrad_accumulation) writes
+                # into weight.main_grad, which a frozen weight does not have.
+                weights = [p for n, p in module.named_parameters(recurse=False)
+                           if re.fullmatch(r"weight\d*", n)]
+                if weights and not any(w.requires_grad for w in weights):
+                    for flag in ("gradient_accumulation_fusion", "fuse_wgrad_accumulation"):
+                        if hasattr(module, flag):
+                            setattr(module, flag, False)
+    flat = [ad for _, _, _, a in adapters for ad in (a if isinstance(a, GroupedLoRA) else [a])]
+    for ad in flat:
+        ad.A.requires_grad_(True)
+        ad.B.requires_grad_(True)
     for chunk in chunks:
         unwrap_model(chunk).lora_config = asdict(config)
-    return [a for _, a in adapters]
+    return flat
 
 
 def _lora_layers(model) -> list[tuple[torch.nn.Module, LoRAAdapter]]:
+    """``(layer, adapter)`` pairs in module order (a grouped linear once per expert)."""
     from megatron.core.utils import unwrap_model
 
     out = []
@@ -586,8 +867,9 @@ def _lora_layers(model) -> list[tuple[torch.nn.Module, LoRAAdapter]]:
             ad = getattr(module, "lora", None)
             if isinstance(ad, LoRAAdapter):
                 out.append((module, ad))
+            elif isinstance(ad, GroupedLoRA):
+                out.extend((module, a) for a in ad)
     return out
-
 
 def lora_adapters(model) -> list[LoRAAdapter]:
     """The model's adapters in module order (same order on every rank of a stage)."""
