@@ -288,6 +288,35 @@ def test_traffic_and_state_per_rank(layout):
                 r["dmuon_stats"]
 
 
+@pytest.mark.parametrize("layout", ["dp4", "tp2dp2"])
+def test_step_working_set_per_rank(layout):
+    """What DMuon's step allocates beside the flat buffer and the owned units, per rank, on
+    a real build (docs/memory.md): the NS working set is one workspace of at most 4 x the
+    NS batch cap (two iterates and two Gram-sized products per matrix, in the NS dtype,
+    fp32 here), whatever the number of batches; and with one bucket the gather receives
+    into the dead flat buffer (no receive buffer).  A build whose owners fell back to NS
+    with per-batch temporaries (no workspace) fails here; the bytes of those temporaries
+    are counted in tests/test_exchange.py."""
+    for r in plain_dmuon(layout):
+        st, geo = r["dmuon_stats"], r["exchange"]
+        owned = []
+        for mat in geo["matrices"]:
+            m, n = mat["shape"]
+            for (dim, blocks), owner in zip(mat["units"], mat["owners"]):
+                length = sum(l for _, l in blocks)
+                if owner == geo["rank"]:
+                    owned.append(length * (n if dim == 0 else m))
+        assert sum(owned) == st["owned_numel"]
+        ws = st["ns_workspace_bytes"]
+        assert ws is not None and 0 < ws <= 4 * 4 * max(st["ns_batch_numel"], max(owned)), st
+        assert st["gather_into_input"], st
+        # the step's one arena: flat pieces + owned units + the largest phase's staging
+        # (gather sends, NS workspace, scatter sends), so at most ws or a shard above them
+        arena = st["step_arena_bytes"]
+        base = 4 * (st["shard_numel"] + st["owned_numel"])
+        assert base + ws <= arena <= base + max(ws, 4 * st["shard_numel"], 4 * st["owned_numel"])
+
+
 def test_global_clipping_matches_reference():
     opt = dict(OPT, clip_grad=0.05)
     results = train("pp2dp2", opt=opt)

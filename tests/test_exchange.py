@@ -84,3 +84,84 @@ def test_ns_batches_are_capped_and_give_the_same_result():
     assert sum(len(k) for k in capped.batch_keys) == len(shapes)
     x = torch.randn(off, generator=torch.Generator().manual_seed(0))
     assert torch.equal(whole.run(x.clone()), capped.run(x.clone()))
+
+
+def _allocated_bytes(fn):
+    """``(fn(), bytes of every tensor storage created while it ran)``: each op's outputs
+    that share no storage with its inputs (views, ``out=`` results) count as new, however
+    briefly they live; a CPU stand-in for the allocator counters."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    total = [0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ins = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                   if isinstance(t, torch.Tensor)}
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in ins:
+                    total[0] += t.untyped_storage().nbytes()
+            return out
+
+    with Count():
+        result = fn()
+    return result, total[0]
+
+
+def test_owner_ns_runs_in_one_bounded_workspace():
+    """The owners' torch NS runs every batch in one workspace (``ns_workspace_bytes``: two
+    iterates and two Gram-sized products per matrix of the largest batch, <= 4 x the batch
+    cap in the NS dtype) and writes each result straight into the owned units: everything
+    ``orthogonalize`` allocates is that workspace (and a norm per matrix).  The NS that
+    allocates its temporaries per call (the backends' path) allocates 6-7.5x the workspace
+    here (a copy, the normalised X, A, B and the next X every step, the result).  The
+    result is bitwise the same (same ops on the same values in the same layouts; tall,
+    wide and square units, fp32 and bf16, batched and capped)."""
+    from megatron_muon.core.newton_schulz import newton_schulz
+    from megatron_muon.core.plan import UnitTask, plan_owners
+    from megatron_muon.core.units import whole_units
+    from megatron_muon.distributed.owner_centric import OwnerCentricNS, Piece, ShardedMatrix
+
+    shapes = [(16, 8)] * 5 + [(8, 32)] * 3 + [(64, 64), (96, 24)]
+    mats, off = [], 0
+    for k, shape in enumerate(shapes):
+        n = shape[0] * shape[1]
+        mats.append(ShardedMatrix(f"w{k}", shape, tuple(whole_units(shape)), None, 1,
+                                  (Piece(0, 0, 0, n, off),)))
+        off += n
+    plan = plan_owners([UnitTask(m.unit_key(0), m.shape, 1.0) for m in mats], 1)
+
+    def per_call_ns(x, **kw):  # newton_schulz without ``in_workspace``: the backends' path
+        return newton_schulz(x, **kw)
+
+    for dtype, esize in ((torch.float32, 4), (torch.bfloat16, 2)):
+        def engine(ns_fn):
+            return OwnerCentricNS(mats, plan, None, ns_steps=5, coefficients="quintic",
+                                  scale_mode="spectral", extra_scale_factor=1.0,
+                                  ns_dtype=dtype, device=torch.device("cpu"), ns_fn=ns_fn,
+                                  ns_batch_numel=3 * 128)
+        ws_eng, old_eng = engine(None), engine(per_call_ns)
+        assert old_eng.ns_workspace_bytes() is None
+        ws = ws_eng.ns_workspace_bytes()
+        cap = max(ws_eng.ns_batch_numel, max(m * n for m, n in shapes))
+        assert ws == esize * max(c * (2 * min(m, n) * max(m, n) + 2 * min(m, n) ** 2)
+                                 for _, c, m, n in ws_eng.batches) <= 4 * esize * cap
+        x = torch.randn(off, generator=torch.Generator().manual_seed(1))
+        a, got = _allocated_bytes(lambda: ws_eng.orthogonalize(x.clone(), out=None))
+        b, old = _allocated_bytes(lambda: old_eng.orthogonalize(x.clone(), out=None))
+        assert torch.equal(a, b)
+        norms = 2 * 4 * len(shapes)  # ||X|| and ||X|| + eps per matrix, fp32 at most
+        # the result buffer (out=None: a new one), the input's clone, the workspace
+        assert got <= 2 * 4 * off + ws + norms, (got, ws)
+        assert old - 2 * 4 * off > 4 * ws, (old, ws)
+        # the whole step in one arena (ShardedMuonStep's): flat pieces, owned units, NS
+        # workspace; nothing else of their size is allocated, and the result is the same
+        arena = torch.empty(ws_eng.arena_numel())
+        assert ws_eng.arena_numel() == off + ws_eng.owned_numel + -(-ws // 4)
+        flat = arena[:off]
+        flat.copy_(x)
+        c, got = _allocated_bytes(lambda: ws_eng.run(flat, out=flat, arena=arena))
+        assert torch.equal(c, old_eng.run(x.clone())) and c.data_ptr() == arena.data_ptr()
+        assert got <= norms, got

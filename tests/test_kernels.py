@@ -126,6 +126,63 @@ def test_backend_signature_and_tall_transpose():
         assert _rel(out, via_t) < 1e-6
 
 
+def test_ns_in_workspace_is_bitwise_newton_schulz():
+    """``newton_schulz_in_workspace`` (the owners' NS: every iterate and product in one
+    caller's workspace, ``out=`` ops) runs the same ops on the same values in the same
+    memory layouts as ``newton_schulz``, so the result is bitwise equal: fp32 and bf16,
+    every coefficient set (cubic: c = 0), wide, tall and square batches, including the
+    tall 2048 x 512 shape where bf16 products on a transposed layout round differently on
+    the CPU (which the workspace keeps for the first step, as ``newton_schulz`` does).  It
+    writes nothing outside ``ns_workspace_numel`` elements and never writes ``x``."""
+    from megatron_muon.core.newton_schulz import newton_schulz_in_workspace, ns_workspace_numel
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, 16, 48), (2, 48, 16), (4, 32, 32), (1, 256, 64), (5, 8, 8), (1, 2048, 512)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for name in COEFFICIENT_SETS:
+            for shape in shapes:
+                x = torch.randn(*shape, generator=g)
+                x0 = x.clone()
+                need = ns_workspace_numel(*shape)
+                ws = torch.full((need + 5,), 7.0, dtype=dtype)
+                got = newton_schulz_in_workspace(x, ws, steps=5, coefficients=name, dtype=dtype)
+                ref = newton_schulz(x, steps=5, coefficients=name, dtype=dtype)
+                assert got.shape == shape and got.dtype == dtype
+                assert torch.equal(got, ref), (dtype, name, shape)
+                assert torch.equal(x, x0) and bool((ws[need:] == 7.0).all())
+    with pytest.raises(ValueError, match="workspace must be"):
+        newton_schulz_in_workspace(torch.randn(1, 8, 4), torch.empty(10), steps=1)
+    with pytest.raises(ValueError, match="workspace must be"):
+        newton_schulz_in_workspace(torch.randn(1, 8, 4), torch.empty(200), steps=1,
+                                   dtype=torch.bfloat16)
+
+
+def test_ns_function_offers_the_workspace_path_only_for_the_torch_standard_ns():
+    """``compat.ns_function(cfg).in_workspace``: the owners' bounded-workspace NS where the
+    call is the plain torch standard NS (bitwise equal to it), None where a tuner, Triton or
+    Gram NS would run instead."""
+    from types import SimpleNamespace
+
+    from megatron_muon.megatron.compat import ns_function
+
+    def cfg(**kw):
+        base = dict(dmuon_ns_backend="auto", muon_ns_method="auto", dmuon_plan_cost="flops",
+                    muon_fp32_matmul_prec="highest", dmuon_tuner_cache=None,
+                    muon_num_ns_steps=5, muon_coefficient_type="quintic")
+        return SimpleNamespace(**dict(base, **kw))
+
+    for c in (cfg(), cfg(dmuon_ns_backend="torch"), cfg(muon_ns_method="standard")):
+        fn = ns_function(c)
+        assert fn.in_workspace is not None
+        x = torch.randn(2, 24, 40)
+        ws = torch.empty(4 * 2 * 24 * 40)
+        assert torch.equal(fn.in_workspace(x, ws, 5, "quintic", 1e-7, torch.float32),
+                           fn(x, 5, "quintic", 1e-7, torch.float32))
+    for c in (cfg(muon_ns_method="gram"), cfg(dmuon_ns_backend="triton"),
+              cfg(dmuon_plan_cost="tuner")):
+        assert ns_function(c).in_workspace is None
+
+
 @pytest.mark.timeout(30)
 def test_explicit_coefficient_list_and_bf16_input():
     x = _input(2, 16, 24).bfloat16()

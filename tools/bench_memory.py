@@ -45,9 +45,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-# Megatron-Core's Muon row: bench_optimizer aliases typing.override (emerging_optimizers
-# needs Python 3.12's) at import, before Megatron is imported, and wraps fp32 optimizers.
-from tools.bench_optimizer import _fp32_layer_wise_workaround  # noqa: E402
+# Megatron-Core's Muon row: emerging_optimizers needs Python 3.12's typing.override; alias it
+# before Megatron is imported.
+from megatron_muon.megatron.cpu_run import alias_typing_override  # noqa: E402
+
+alias_typing_override()
 
 from megatron_muon.megatron.checkpoint import SHARDING_TYPES  # noqa: E402
 
@@ -132,7 +134,8 @@ def _recorded(phase_dir: str, nproc: int) -> Optional[list]:
 
 
 def worker(cfg: dict, tp: int, variant: str, steps: int, save_dir: str,
-           phase_dir: Optional[str] = None, adam_sharding: str = "dp_reshardable") -> dict:
+           phase_dir: Optional[str] = None, adam_sharding: str = "dp_reshardable",
+           ns_prec: Optional[str] = None) -> dict:
     import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallelConfig
 
@@ -148,21 +151,24 @@ def worker(cfg: dict, tp: int, variant: str, steps: int, save_dir: str,
     reset_peak()
     if variant == "mcore_muon":
         from megatron.core.optimizer import OptimizerConfig
-        from megatron.core.optimizer import get_megatron_optimizer as mcore_get
+
+        from megatron_muon.testing.peers import build_mcore_muon
 
         ocfg = OptimizerConfig(optimizer="muon", use_layer_wise_distributed_optimizer=True,
                                use_distributed_optimizer=False, muon_tp_mode="duplicated",
                                muon_momentum=0.95, lr=1e-3, weight_decay=0.01, bf16=False)
-        model = build_gpt(gcfg, ddp_config=DistributedDataParallelConfig(
-            use_distributed_optimizer=False))
-        optim = _fp32_layer_wise_workaround(mcore_get(ocfg, model), ocfg)
+        # the layer-wise optimizer's own DDP layout (every matrix whole in one DP shard),
+        # fp32-usable, as tools/bench_optimizer.py builds it
+        model, optim = build_mcore_muon(gcfg, ocfg)
     else:
         zero3 = variant == "dmuon_zero3"
         matrix = zero3 or variant == "dmuon_matrix"
+        prec = {} if ns_prec is None or variant == "adam" else \
+            dict(muon_fp32_matmul_prec=ns_prec)
         ocfg = make_optimizer_config("adam" if variant == "adam" else "dmuon", lr=1e-3,
                                      dmuon_log_plan=False, dmuon_overlap=False,
                                      dmuon_placement="matrix" if matrix else "dmuon",
-                                     dmuon_zero3=zero3)
+                                     dmuon_zero3=zero3, **prec)
         placement = None
         if matrix:
             from megatron_muon.megatron.matrix_placement import matrix_placement_for
@@ -224,6 +230,11 @@ def main(argv=None) -> int:
                         "of at least BYTES are mmapped and returned to the OS when freed "
                         "(glibc otherwise raises the threshold as large blocks are freed and "
                         "keeps later ones in its heap: peaks then include freed memory)")
+    p.add_argument("--muon-fp32-matmul-prec", default=None,
+                   choices=("highest", "high", "medium"),
+                   help="the DMuon variants' Newton-Schulz precision (default: the config's, "
+                        "medium = bf16; on the CPU bf16 matmuls run in oneDNN, which keeps "
+                        "its kernels per problem shape, docs/memory.md)")
     a = p.parse_args(argv)
     variants = [v for v in a.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -252,7 +263,8 @@ def main(argv=None) -> int:
                     "tools.bench_memory:worker", a.nproc,
                     dict(cfg=cfg, tp=a.tp, variant=v, steps=a.steps,
                          save_dir=os.path.join(tmp, "ckpt"), phase_dir=phase_dir,
-                         adam_sharding=a.adam_sharding_type),
+                         adam_sharding=a.adam_sharding_type,
+                         ns_prec=a.muon_fp32_matmul_prec),
                     timeout=a.timeout, env=env)
             except RankFailure as e:  # reported in the table, not hidden
                 why = str(e).splitlines()[0][:160]

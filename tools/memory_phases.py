@@ -9,7 +9,13 @@ methods wrapped: at every entry and exit of ``train_step``, ``ChainedOptimizer.s
 the peak since the previous event (VmHWM, then reset).  Printed per rank for the last
 training step.  CPU only (the peak reset is Linux's ``/proc/self/clear_refs``).  ``--trim``
 calls glibc's ``malloc_trim(0)`` after each inner optimizer step, which tells memory the C
-heap keeps apart from live tensors (docs/memory.md).
+heap keeps apart from live tensors (docs/memory.md).  ``--heap`` also prints, per event,
+glibc's ``mallinfo2`` (MiB: heap arenas, of which in use and free, and mmapped blocks) and
+the bytes of live tensors (every CPU tensor storage the garbage collector reaches, once):
+resident = what the heap keeps + mmapped blocks + the rest of the process, so a gap
+between two variants can be put on live tensors, on other allocations (library caches)
+or on freed heap memory glibc keeps.  ``ShardedMuonStep``'s phases show as
+``OwnerCentricNS._gather_over / orthogonalize / _scatter_over`` (the step's arena).
 """
 
 from __future__ import annotations
@@ -25,11 +31,33 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools import bench_memory as bm  # noqa: E402
 
 _LOG: list = []
+_HEAP = [False]
+
+
+def _heap() -> str:
+    """glibc's heap counters and the live tensor bytes, MiB (``--heap``)."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_size_t) for f in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost")]
+
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):  # not glibc (>= 2.33)
+        return "heap: -"
+    fn.restype = MallInfo2
+    m, mib = fn(), 2 ** 20
+    return (f"heap {m.arena // mib:5d} (in use {m.uordblks // mib:5d}, free "
+            f"{m.fordblks // mib:5d}) mmapped {m.hblkhd // mib:5d} live tensors "
+            f"{bm.held_bytes() // mib:5d}")
 
 
 def _event(name: str) -> None:
-    _LOG.append((name, bm._status_kib("VmRSS") // 1024, bm._status_kib("VmHWM") // 1024))
-    bm.reset_peak()
+    rss, peak = bm._status_kib("VmRSS") // 1024, bm._status_kib("VmHWM") // 1024
+    _LOG.append((name, rss, peak, _heap() if _HEAP[0] else ""))
+    bm.reset_peak()  # after the census, which allocates a little
 
 
 def _wrap(owner, meth: str, label: str) -> None:
@@ -61,7 +89,7 @@ def _trim_after(owner, meth: str) -> None:
     setattr(owner, meth, g)
 
 
-def worker(trim: bool = False, **kw) -> list:
+def worker(trim: bool = False, heap: bool = False, **kw) -> list:
     import torch
     from megatron.core.optimizer import ChainedOptimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -70,6 +98,7 @@ def worker(trim: bool = False, **kw) -> list:
     from megatron_muon.distributed.owner_centric import OwnerCentricNS
     from megatron_muon.megatron.dmuon import ShardedMuonStep
 
+    _HEAP[0] = heap
     _wrap(gpt, "train_step", "train_step")
     _wrap(ChainedOptimizer, "step", "ChainedOptimizer.step")
     for m in ("prepare_grads", "get_grad_norm", "step_with_ready_grads",
@@ -80,7 +109,7 @@ def worker(trim: bool = False, **kw) -> list:
         _trim_after(ShardedMuonStep, "step")
     _wrap(torch.optim.AdamW, "step", "AdamW.step")
     _wrap(ShardedMuonStep, "step", "ShardedMuonStep.step")
-    for m in ("gather", "orthogonalize", "scatter"):
+    for m in ("gather", "orthogonalize", "scatter", "_gather_over", "_scatter_over"):
         _wrap(OwnerCentricNS, m, f"OwnerCentricNS.{m}")
     bm.worker(**kw)
     last = max(i for i, e in enumerate(_LOG) if e[0] == "> train_step")
@@ -100,6 +129,8 @@ def main(argv=None) -> int:
     p.add_argument("--vocab-size", type=int, default=50304)
     p.add_argument("--trim", action="store_true",
                    help="malloc_trim(0) after each optimizer's inner step (CPU heap retention)")
+    p.add_argument("--heap", action="store_true",
+                   help="also print glibc's heap counters and the live tensor bytes per event")
     a = p.parse_args(argv)
     from megatron_muon.testing.launch import run_ranks
 
@@ -110,12 +141,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="memory_phases_") as tmp:
         logs = run_ranks("tools.memory_phases:worker", a.nproc,
                          dict(cfg=cfg, tp=a.tp, variant=a.variant, steps=1, save_dir=tmp,
-                              trim=a.trim),
+                              trim=a.trim, heap=a.heap),
                          timeout=1800, env={"PYTHONPATH": os.getcwd()})
     for rank, log in enumerate(logs):
         print(f"# rank {rank} ({a.variant}): event, VmRSS MiB, peak MiB since the previous event")
-        for name, rss, peak in log:
-            print(f"{name:56s} {rss:7d} {peak:7d}")
+        for name, rss, peak, extra in log:
+            print(f"{name:56s} {rss:7d} {peak:7d}  {extra}".rstrip())
     return 0
 
 

@@ -33,6 +33,8 @@ __all__ = [
     "default_gram_restart",
     "check_ns_method",
     "newton_schulz",
+    "ns_workspace_numel",
+    "newton_schulz_in_workspace",
     "muon_scale",
     "ns_flops",
 ]
@@ -174,6 +176,68 @@ def newton_schulz(
     if x.ndim == 2:
         return X.squeeze(0)
     return X if x.ndim == 3 else X.reshape(x.shape)
+
+
+def ns_workspace_numel(count: int, m: int, n: int) -> int:
+    """Elements (of the compute dtype) ``newton_schulz_in_workspace`` needs for a batch of
+    ``count`` m x n matrices: two s x N iterates and two s x s products per matrix
+    (s = min(m, n), N = max(m, n)), at most 4 x the batch."""
+    s, big = min(m, n), max(m, n)
+    return count * (2 * s * big + 2 * s * s)
+
+
+def newton_schulz_in_workspace(x: torch.Tensor, workspace: torch.Tensor, steps: int = 5,
+                               coefficients: Coefficients = "simple", eps: float = 1e-7,
+                               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``newton_schulz(x, ..., method='standard')`` of a batch x [b, m, n], computed in
+    ``workspace`` (1-D, the compute dtype, at least ``ns_workspace_numel(b, m, n)``
+    elements) with ``out=`` ops: no other tensor of the batch's size is allocated.  Returns
+    a view of ``workspace`` holding the result in the compute dtype, shaped [b, m, n]; the
+    caller converts it (``x`` is only read, before the first product, so the result may be
+    written over it).
+
+    The same operations on the same values, in the same memory layouts, as
+    ``newton_schulz``: the normalised X keeps x's layout (a tall input's first step
+    multiplies its transposed view, as ``newton_schulz`` does), every later iterate is a
+    contiguous s x N batch.  So the result is bitwise ``newton_schulz``'s (tested on the
+    CPU in fp32 and bf16, tests/test_kernels.py); only where the tensors live differs."""
+    if x.ndim != 3:
+        raise ValueError(f"newton_schulz_in_workspace expects [b, m, n], got {tuple(x.shape)}")
+    coeffs = resolve_coefficients(coefficients, steps)
+    dt = dtype or x.dtype
+    b, m, n = x.shape
+    s, big = min(m, n), max(m, n)
+    need = ns_workspace_numel(b, m, n)
+    if workspace.dtype != dt or workspace.ndim != 1 or workspace.numel() < need:
+        raise ValueError(f"workspace must be 1-D {dt} with >= {need} elements, got "
+                         f"{tuple(workspace.shape)} {workspace.dtype}")
+    tall = m > n
+    k = b * s * big
+    x0, x1 = workspace[:k], workspace[k: 2 * k]
+    A = workspace[2 * k: 2 * k + b * s * s].view(b, s, s)
+    B = workspace[2 * k + b * s * s: need].view(b, s, s)
+    src = x
+    if dt != x.dtype:  # the 16-bit copy of x, in x's layout (as newton_schulz's x.to(dtype))
+        src = x1.view(b, m, n)
+        src.copy_(x)
+    if tall:
+        src = src.transpose(-2, -1)
+    norm = torch.linalg.vector_norm(src, dim=(-2, -1), keepdim=True)
+    # X / (norm + eps) into x0, in x's layout (newton_schulz's result keeps the input's
+    # strides); x1 (the 16-bit copy, dead now) takes the first step's product
+    X = x0.view(b, m, n).transpose(-2, -1) if tall else x0.view(b, s, big)
+    torch.div(src, norm + eps, out=X)
+    Xn = x1.view(b, s, big)
+    for a, bb, c in coeffs:
+        torch.bmm(X, X.transpose(-2, -1), out=A)
+        if c != 0.0:
+            torch.baddbmm(A, A, A, beta=bb, alpha=c, out=B)
+        else:
+            torch.mul(A, bb, out=B)
+        torch.baddbmm(X, B, X, beta=a, out=Xn)
+        # the iterate just read is dead: its storage takes the next product, contiguous
+        X, Xn = Xn, (x0 if Xn.data_ptr() == x1.data_ptr() else x1).view(b, s, big)
+    return X.transpose(-2, -1) if tall else X
 
 
 def _gram_iterations(X: torch.Tensor, coeffs: Sequence[tuple[float, float, float]],

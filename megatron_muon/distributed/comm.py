@@ -45,14 +45,24 @@ class CommStats:
 
 def all_to_all_flat(send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
                     group: Optional[dist.ProcessGroup], stats: Optional[CommStats] = None,
-                    kind: str = "all_to_all", async_op: bool = False):
+                    kind: str = "all_to_all", async_op: bool = False,
+                    out: Optional[torch.Tensor] = None):
     """Exchange a flat buffer: ``send[sum(send_counts[:j]) : ...]`` goes to group rank j.
 
-    Returns ``(recv, work)``; ``work`` is None unless ``async_op``.  A group of one rank (or
-    no group) is a local copy.  Byte counts exclude the part a rank keeps for itself.
+    Returns ``(recv, work)``; ``work`` is None unless ``async_op``.  ``out``: where to
+    receive (1-D, ``sum(recv_counts)`` elements, not overlapping ``send``); default a new
+    buffer.  A group of one rank (or no group) is a local copy.  Byte counts exclude the
+    part a rank keeps for itself.
     """
     world = dist.get_world_size(group) if group is not None else 1
-    recv = torch.empty(int(sum(recv_counts)), dtype=send.dtype, device=send.device)
+    numel = int(sum(recv_counts))
+    if out is None:
+        recv = torch.empty(numel, dtype=send.dtype, device=send.device)
+    elif out.ndim != 1 or out.numel() != numel or out.dtype != send.dtype:
+        raise ValueError(f"all_to_all_flat: out must be 1-D {send.dtype} with {numel} "
+                         f"elements, got {tuple(out.shape)} {out.dtype}")
+    else:
+        recv = out
     if world == 1:
         recv.copy_(send)
         return recv, None

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_muon.distributed.comm import CommStats, all_to_all_flat
-from megatron_muon.core.newton_schulz import muon_scale, newton_schulz
+from megatron_muon.core.newton_schulz import (muon_scale, newton_schulz,
+                                              newton_schulz_in_workspace, ns_workspace_numel)
 from megatron_muon.core.plan import OwnerPlan
 from megatron_muon.distributed.trace import span
 from megatron_muon.core.flat_blocks import piece_unit_blocks
@@ -41,12 +42,14 @@ __all__ = ["Piece", "ShardedMatrix", "OwnerCentricNS", "NS_BATCH_SHARE"]
 
 #: An owner's NS batch (same-shape units, run as one batched call) holds at most this share
 #: of the rank's owned elements (a unit larger than that is a batch of its own).  NS's
-#: workspace (the 16-bit copy of X, its products, the next X, the fp32 result) is 2-3x the
-#: batch, and it is the step's largest transient after the flat buffer and the owned
-#: units: measured at TP2 x DP2 on the 8 x 512 GPT, whole-shape batches put DMuon's step
-#: peak 28 MiB above those buffers and above the backward's peak (docs/memory.md).  A share
-#: (not a fixed size) keeps batches large where units are many and small relative to what a
-#: rank owns, which is where batching pays on a GPU.
+#: workspace grows with the batch, and it is the step's largest transient after the flat
+#: buffer and the owned units: measured at TP2 x DP2 on the 8 x 512 GPT, whole-shape
+#: batches put DMuon's step peak 28 MiB above those buffers and above the backward's peak
+#: (docs/memory.md).  A share (not a fixed size) keeps batches large where units are many
+#: and small relative to what a rank owns, which is where batching pays on a GPU.  With the
+#: torch NS every batch runs in one workspace of ``ns_workspace_numel`` elements (two
+#: iterates and two Gram-sized products per matrix, at most 4 x the largest batch, in the NS
+#: dtype), allocated once per step (``OwnerCentricNS.orthogonalize``).
 NS_BATCH_SHARE = 4
 
 
@@ -189,6 +192,12 @@ class OwnerCentricNS:
                 self.batches.append((off, 1, m, n))
                 self.batch_keys.append([key])
             off += m * n
+        # The torch standard NS runs every batch in one workspace (``orthogonalize``); other
+        # backends (tuner, Triton, Gram) allocate their own temporaries per batch.
+        self.ns_in_workspace = newton_schulz_in_workspace if ns_fn is None else \
+            getattr(ns_fn, "in_workspace", None)
+        self.ns_workspace_numel = max((ns_workspace_numel(c, m, n) for _, c, m, n in
+                                       self.batches), default=0)
         shapes = {mat.unit_key(i): u.shape for mat in self.matrices
                   for i, u in enumerate(mat.units)}
         self.split = SplitNS(self, splits, shapes, off)
@@ -258,6 +267,15 @@ class OwnerCentricNS:
         written = (_numel(self.local_copy) if replicate else
                    sum(_numel(b) for t in self.scatter_tables.values() for b in t.recv + [t.local]))
         self.scatter_covers = written == self.local_numel
+        # ``run(local, out=local)`` (the caller's U is dead once gathered): pack every
+        # bucket's gather first, then receive each bucket into ``local`` itself, which
+        # saves the receive buffers where the packed sends together are no larger than one
+        # bucket's send + receive staging (always with one bucket) and every bucket's
+        # receive fits (docs/memory.md).
+        sent = [sum(t.send_counts) for t in self.gather_tables.values()]
+        got = [sum(t.recv_counts) for t in self.gather_tables.values()]
+        self.gather_into_input = bool(sent) and not replicate and \
+            max(got) <= self.local_numel and sum(sent) <= max(map(sum, zip(sent, got)))
         if check_exchange:  # False only where nothing is sent (tools/bench_scale.py's fake group)
             self._check_exchange()
 
@@ -342,6 +360,15 @@ class OwnerCentricNS:
             "settings")
 
     # ------------------------------------------------------------------ step
+    def ns_workspace_bytes(self) -> Optional[int]:
+        """Bytes of the one NS workspace ``orthogonalize`` allocates per step (the whole
+        NS working set of the units this rank owns whole, beside the owned units
+        themselves), or None where the NS backend allocates its own (tuner, Triton,
+        Gram)."""
+        if self.ns_in_workspace is None:
+            return None
+        return self.ns_workspace_numel * torch.finfo(self.ns_dtype).bits // 8
+
     def index_bytes(self) -> int:
         """Bytes of exchange bookkeeping: six integers per block (their int64 size)."""
         tabs = list(self.gather_tables.values()) + list(self.scatter_tables.values())
@@ -354,12 +381,17 @@ class OwnerCentricNS:
         return self._send(t, [self._pack(t, src, dst)], dst, kind, async_op)
 
     @staticmethod
-    def _pack(t: _Table, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-        """The send staging buffer of ``t`` (its blocks of ``src`` in canonical order), and
-        the blocks that stay on this rank copied from ``src`` into ``dst``: after this,
-        the exchange no longer reads ``src``."""
+    def _pack(t: _Table, src: torch.Tensor, dst: torch.Tensor,
+              into: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The send staging buffer of ``t`` (its blocks of ``src`` in canonical order; in
+        ``into``, of ``sum(t.send_counts)`` elements, if given), and the blocks that stay on
+        this rank copied from ``src`` into ``dst``: after this, the exchange no longer reads
+        ``src``."""
         views = [_view(src, *t.side(b, t.src)).reshape(-1) for blocks in t.send for b in blocks]
-        send = torch.cat(views) if views else src.new_empty(0)
+        if into is not None:
+            send = torch.cat(views, out=into) if views else into
+        else:
+            send = torch.cat(views) if views else src.new_empty(0)
         for b in t.local:
             _view(dst, *t.side(b, t.dst)).copy_(_view(src, *t.side(b, t.src)))
         return send
@@ -395,27 +427,49 @@ class OwnerCentricNS:
         return self._exchange(self.gather_tables[bucket], local, owned, "gather", async_op)
 
     def orthogonalize(self, owned: torch.Tensor, out: Optional[torch.Tensor] = None,
-                      post: Optional[Callable] = None) -> torch.Tensor:
+                      post: Optional[Callable] = None,
+                      workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Batched NS (times the Muon scale) on this rank's units, in batches of one shape
         (at most ``ns_batch_numel`` elements each, a larger unit alone).
 
         ``out``: where the results go (``owned`` itself is allowed: each batch reads only its
-        own units before overwriting them); default a new buffer.  Each batch's NS workspace
-        is released before the next batch runs.  ``post(keys, o)``: applied to each batch's
-        raw NS output ``o`` ([count, m, n], units ``keys``) before the scale, returns the
-        result (DMuon's AdaMuon / NorMuon second moment, which lives with the owner).
+        own units before overwriting them); default a new buffer.  With the torch NS
+        (``ns_in_workspace``) every batch runs in one workspace of ``ns_workspace_numel``
+        elements, allocated here and freed on return, with ``out=`` ops, and its result is
+        converted and scaled straight into ``out``: the NS working set is that workspace
+        (``ns_workspace_bytes``), whatever the number of batches, and no per-batch
+        temporaries are allocated.  Other backends release each batch's temporaries before
+        the next batch runs.  ``post(keys, o)``: applied to each batch's raw NS output ``o``
+        ([count, m, n], units ``keys``) before the scale, returns the result (DMuon's
+        AdaMuon / NorMuon second moment, which lives with the owner).  ``workspace``: a
+        1-D fp32 buffer of at least ``ns_workspace_bytes() / 4`` elements to hold the NS
+        workspace (``run``'s arena) instead of a new one.
         """
         if out is None:
             out = torch.empty_like(owned)
         self.split.check(post)
+        ws = None
+        if self.ns_in_workspace is not None and self.batches:
+            if workspace is not None:  # the NS dtype's elements over the fp32 buffer
+                ws = workspace[: -(-self.ns_workspace_bytes() // 4)].view(self.ns_dtype)
+                ws = ws[: self.ns_workspace_numel]
+            else:
+                ws = torch.empty(self.ns_workspace_numel, dtype=self.ns_dtype,
+                                 device=owned.device)
         for (off, count, m, n), keys in zip(self.batches, self.batch_keys):
             x = owned[off: off + count * m * n].view(count, m, n)
-            o = self.ns_fn(x, steps=self.ns_steps, coefficients=self.coefficients, eps=self.eps,
-                           dtype=self.ns_dtype)
+            if ws is not None:
+                o = self.ns_in_workspace(x, ws, steps=self.ns_steps,
+                                         coefficients=self.coefficients, eps=self.eps,
+                                         dtype=self.ns_dtype)
+            else:
+                o = self.ns_fn(x, steps=self.ns_steps, coefficients=self.coefficients,
+                               eps=self.eps, dtype=self.ns_dtype)
             if post is not None:
                 o = post(keys, o.float())
             self._write(o, out[off: off + count * m * n].view(count, m, n), m, n)
             del x, o
+        del ws
         self.split.run(owned, out, self._write)  # parts of split units (every rank takes part)
         return out
 
@@ -447,6 +501,79 @@ class OwnerCentricNS:
             self.gather(local, b, owned)
         return owned
 
+    def _gather_over(self, local: torch.Tensor, owned: torch.Tensor,
+                     staging: Optional[torch.Tensor] = None) -> None:
+        """Every bucket's gather into ``owned`` for a caller that no longer needs ``local``.
+        With ``gather_into_input``: every bucket's send buffer is packed (and the pieces
+        that stay here copied) first, then each bucket's all-to-all receives into
+        ``local``'s storage, which holds nothing needed any more, and is unpacked before the
+        next one.  Otherwise bucket by bucket (send, then receive).  ``staging``: where the
+        send (and, bucket by bucket, receive) buffers go (``arena_numel``); default new
+        buffers."""
+        tables = list(self.gather_tables.values())
+
+        def room(off: int, numel: int) -> Optional[torch.Tensor]:
+            return None if staging is None else staging[off: off + numel]
+
+        if self.gather_into_input:
+            sends, off = [], 0
+            for t in tables:
+                sends.append(self._pack(t, local, owned, into=room(off, sum(t.send_counts))))
+                off += sum(t.send_counts)
+            for t in tables:  # popped: each send buffer is freed once sent
+                send = sends.pop(0)
+                recv, _ = all_to_all_flat(send, t.send_counts, t.recv_counts, self.group,
+                                          self.stats, "gather",
+                                          out=local[: sum(t.recv_counts)])
+                del send
+                self.finish((t, recv, None), owned)
+            return
+        for t in tables:
+            sent = sum(t.send_counts)
+            send = self._pack(t, local, owned, into=room(0, sent))
+            recv, _ = all_to_all_flat(send, t.send_counts, t.recv_counts, self.group,
+                                      self.stats, "gather", out=room(sent, sum(t.recv_counts)))
+            del send
+            self.finish((t, recv, None), owned)
+
+    def arena_numel(self) -> Optional[int]:
+        """fp32 elements of the one buffer a synchronous step can run in (``run(...,
+        arena=)``): this rank's flat pieces, its owned units, then a staging region that
+        takes, phase by phase, the gather's send (and receive) buffers, the NS workspace
+        and the scatter's send buffers (its receive buffers go into the owned units, dead
+        by then, where they fit).  The region is the largest of the three, so the arena is
+        the step's working set at its peak, counted here: nothing else of that size is
+        allocated during the step (docs/memory.md).  None in naive mode."""
+        if self.replicate:
+            return None
+        g = [(sum(t.send_counts), sum(t.recv_counts)) for t in self.gather_tables.values()]
+        gather = sum(a for a, _ in g) if self.gather_into_input else \
+            max((a + b for a, b in g), default=0)
+        sc = [(sum(t.send_counts), sum(t.recv_counts)) for t in self.scatter_tables.values()]
+        recv = max((b for _, b in sc), default=0)
+        scatter = sum(a for a, _ in sc) + (recv if recv > self.owned_numel else 0)
+        ws = -(-(self.ns_workspace_bytes() or 0) // 4)
+        return self.local_numel + self.owned_numel + max(gather, ws, scatter)
+
+    def _scatter_over(self, owned: torch.Tensor, out: torch.Tensor,
+                      staging: torch.Tensor) -> None:
+        """``scatter_owned`` in an arena: every bucket's send buffer packed into
+        ``staging``, then each bucket received into the owned units (dead once packed)
+        where it fits, else after the sends."""
+        if not self._scatter_prologue(owned, out):
+            return
+        tables = list(self.scatter_tables.values())
+        sends, off = [], 0
+        for t in tables:
+            sends.append(self._pack(t, owned, out, into=staging[off: off + sum(t.send_counts)]))
+            off += sum(t.send_counts)
+        for t, send in zip(tables, sends):
+            r = sum(t.recv_counts)
+            room = owned[:r] if r <= owned.numel() else staging[off: off + r]
+            recv, _ = all_to_all_flat(send, t.send_counts, t.recv_counts, self.group,
+                                      self.stats, "scatter", out=room)
+            self.finish((t, recv, None), out)
+
     def to_holders(self, result: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Every bucket's scatter (naive mode: the local copy): owned units -> ``out``, this
         rank's flat pieces (elements no unit covers are zeroed, unless there are none:
@@ -467,19 +594,33 @@ class OwnerCentricNS:
         return True
 
     def run(self, local: torch.Tensor, out: Optional[torch.Tensor] = None,
-            post: Optional[Callable] = None) -> torch.Tensor:
+            post: Optional[Callable] = None,
+            arena: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``local``: this rank's flat momentum-updated pieces -> its flat scaled NS pieces.
 
         ``out``: where the pieces go, default a new buffer.  ``out=local`` is allowed (the
         caller no longer needs its input): every gather has finished reading ``local``
-        before it is zeroed and written.  NS runs in place on the owned units, so a step
-        holds ``local``, the owned units and one bucket's exchange buffers at a time; the
-        owned units are freed once the scatter's send buffers are packed.
+        before it is zeroed and written, and the gathers then receive into ``local`` itself
+        (``gather_into_input``).  NS runs in place on the owned units, so a step holds
+        ``local``, the owned units and the gather's send buffers (or one bucket's send and
+        receive buffers), then the NS workspace; the owned units are freed once the
+        scatter's send buffers are packed.
+
+        ``arena``: ``arena_numel()`` fp32 elements whose first ``local_numel`` are
+        ``local`` (and ``out``): the whole step then runs in it (owned units, staging, NS
+        workspace; ``arena_numel``), allocating nothing of their size.
         """
         if local.numel() != self.local_numel:
             raise ValueError(f"flat buffer has {local.numel()} elements, expected {self.local_numel}")
+        if arena is not None:
+            return self._run_in(arena, local, out, post)
         with span("dmuon.gather"):
-            owned = self.to_owners(local)
+            if out is local:
+                owned = (torch.empty if self.gather_covers else torch.zeros)(
+                    self.owned_numel, dtype=torch.float32, device=local.device)
+                self._gather_over(local, owned)
+            else:
+                owned = self.to_owners(local)
         with span("dmuon.ns"):
             self.orthogonalize(owned, out=owned, post=post)
         if out is None:
@@ -487,6 +628,25 @@ class OwnerCentricNS:
         box = [owned]
         del owned
         return self.scatter_owned(box, out)
+
+    def _run_in(self, arena: torch.Tensor, local: torch.Tensor, out, post) -> torch.Tensor:
+        """``run`` in ``arena`` (see there)."""
+        n, o = self.local_numel, self.owned_numel
+        if self.replicate or arena.numel() != self.arena_numel() or out is None or \
+                not out.data_ptr() == local.data_ptr() == arena.data_ptr() or \
+                arena.dtype != torch.float32:
+            raise ValueError("run(arena=): arena must be arena_numel() fp32 elements starting "
+                             "with local, and out must be local (not in naive mode)")
+        owned, staging = arena[n: n + o], arena[n + o:]
+        with span("dmuon.gather"):
+            if not self.gather_covers:
+                owned.zero_()
+            self._gather_over(local, owned, staging)
+        with span("dmuon.ns"):
+            self.orthogonalize(owned, out=owned, post=post, workspace=staging)
+        with span("dmuon.scatter"):
+            self._scatter_over(owned, local, staging)
+        return local
 
     def scatter_owned(self, box: list, out: torch.Tensor) -> torch.Tensor:
         """Every bucket's scatter of the owned results ``box[0]`` into ``out`` (this rank's

@@ -41,8 +41,13 @@ def ns_function(cfg) -> Callable:
     ``muon_ns_method``: 'standard' / 'gram' fix the algorithm (the tuner, if any, then picks
     among that method's backends); 'auto' with the tuner lets it choose between them.
     ``muon_fp32_matmul_prec='high'`` runs fp32 NS with TF32 matmuls on CUDA.
+
+    ``fn.in_workspace``: where the call is the plain torch standard NS (no tuner, not
+    Triton, not Gram), the same NS computed in a caller's workspace
+    (``newton_schulz_in_workspace``, bitwise the same result); else None.  The owners then
+    run every batch in one bounded workspace (docs/memory.md).
     """
-    from megatron_muon.core.newton_schulz import newton_schulz
+    from megatron_muon.core.newton_schulz import newton_schulz, newton_schulz_in_workspace
 
     backend = getattr(cfg, "dmuon_ns_backend", "auto")
     method = ns_method(cfg)
@@ -74,6 +79,14 @@ def ns_function(cfg) -> Callable:
             return batched_newton_schulz(x, steps=steps, coefficients=coefficients, eps=eps,
                                          dtype=dtype, backend=backend, tuner=tuner, method=fixed)
 
+    def in_workspace(x, workspace, steps, coefficients, eps, dtype):
+        with _tf32_matmuls(x.device) if tf32 else contextlib.nullcontext():
+            return newton_schulz_in_workspace(x, workspace, steps=steps,
+                                              coefficients=coefficients, eps=eps, dtype=dtype)
+
+    # fn's torch path ('auto' without a tuner is batched_newton_schulz's torch_batched)
+    plain = fixed == "standard" and tuner is None and backend != "triton"
+    fn.in_workspace = in_workspace if plain else None
     return fn
 
 

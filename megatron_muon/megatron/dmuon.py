@@ -232,8 +232,17 @@ class ShardedMuonStep(torch.optim.Optimizer):
         # zero-fill.
         spec_flat = self.overlap.pending_flat() if self.overlap is not None else None
         matches = False  # nothing speculated to compare with
+        # Without the overlap the whole step runs in one buffer whose first ``numel``
+        # elements are ``flat`` (``OwnerCentricNS.arena_numel``: the owned units, the
+        # exchange staging and the NS workspace follow it), allocated once here.
+        arena = None
         if spec_flat is None:
-            flat = torch.empty(self.numel, dtype=torch.float32, device=self.engine.device)
+            size = self.engine.arena_numel() if self.overlap is None else None
+            if size is not None:
+                arena = torch.empty(size, dtype=torch.float32, device=self.engine.device)
+                flat = arena[: self.numel]
+            else:
+                flat = torch.empty(self.numel, dtype=torch.float32, device=self.engine.device)
             for group in self.param_groups:  # momentum of the whole group (foreach)
                 ps = group["params"]
                 momentum_update_([self.state[p]["momentum_buffer"] for p in ps],
@@ -251,7 +260,8 @@ class ShardedMuonStep(torch.optim.Optimizer):
                 return  # each bucket's update lands before its param all-gather
         if out is None:  # U is not needed once gathered
             out = self.engine.run(flat, out=flat,
-                                  post=self._moment2_post if self.moment2 is not None else None)
+                                  post=self._moment2_post if self.moment2 is not None else None,
+                                  arena=arena)
         for group in self.param_groups:
             ps = group["params"]
             lr, wd = group["lr"], group["weight_decay"]
@@ -491,6 +501,11 @@ class DMuonDistributedOptimizer(DMuonStateMixin, _SubsetMixin, DistributedOptimi
         return dict(comm=eng.stats.as_dict(), plan_imbalance=self.plan.imbalance,
                     plan_digest=self.plan.digest, owned_numel=eng.owned_numel,
                     shard_numel=self.optimizer.numel, state_bytes=state_bytes,
+                    ns_workspace_bytes=eng.ns_workspace_bytes(),
+                    ns_batch_numel=eng.ns_batch_numel,
+                    gather_into_input=eng.gather_into_input,
+                    step_arena_bytes=None if eng.arena_numel() is None or
+                    self.optimizer.overlap is not None else 4 * eng.arena_numel(),
                     index_bytes=eng.index_bytes(), split_parts=len(eng.split.parts),
                     split_units=len(self.plan.splits),
                     muon_numel=sum(m.shape[0] * m.shape[1] for m in eng.matrices),
