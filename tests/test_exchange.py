@@ -48,23 +48,32 @@ def test_a_column_shard_and_a_qkv_unit_are_one_block_each():
     assert len(blocks) == 1 and blocks[0][2] == 4  # 4 groups of 8 contiguous rows
 
 
-def test_ns_batches_are_capped_and_give_the_same_result():
-    """One rank, group None: same-shape units are batched up to ``ns_batch_numel`` elements
-    (a larger unit alone; default a quarter of the owned elements), and capping the batches changes no result.  The tolerance is
-    exact equality: on every device a batched NS applies the same per-matrix operations,
-    and only the batch count differs (checked here on the CPU; torch's CPU bmm runs one
-    GEMM per matrix)."""
+def _whole_on_one_rank(shapes) -> tuple:
+    """``(matrices, elements)``: one ``ShardedMatrix`` per shape, each held whole by rank 0,
+    packed back to back."""
     from megatron_muon.core.units import whole_units
-    from megatron_muon.distributed.owner_centric import OwnerCentricNS, Piece, ShardedMatrix
-    from megatron_muon.core.plan import UnitTask, plan_owners
+    from megatron_muon.distributed.owner_centric import Piece, ShardedMatrix
 
-    shapes = [(16, 8)] * 5 + [(8, 32)] * 3 + [(64, 64)]
     mats, off = [], 0
     for k, shape in enumerate(shapes):
         n = shape[0] * shape[1]
         mats.append(ShardedMatrix(f"w{k}", shape, tuple(whole_units(shape)), None, 1,
                                   (Piece(0, 0, 0, n, off),)))
         off += n
+    return mats, off
+
+
+def test_ns_batches_are_capped_and_give_the_same_result():
+    """One rank, group None: same-shape units are batched up to ``ns_batch_numel`` elements
+    (a larger unit alone; default a quarter of the owned elements), and capping the batches changes no result.  The tolerance is
+    exact equality: on every device a batched NS applies the same per-matrix operations,
+    and only the batch count differs (checked here on the CPU; torch's CPU bmm runs one
+    GEMM per matrix)."""
+    from megatron_muon.distributed.owner_centric import OwnerCentricNS
+    from megatron_muon.core.plan import UnitTask, plan_owners
+
+    shapes = [(16, 8)] * 5 + [(8, 32)] * 3 + [(64, 64)]
+    mats, off = _whole_on_one_rank(shapes)
 
     def engine(cap):
         plan = plan_owners([UnitTask(m.unit_key(0), m.shape, 1.0) for m in mats], 1)
@@ -121,16 +130,10 @@ def test_owner_ns_runs_in_one_bounded_workspace():
     wide and square units, fp32 and bf16, batched and capped)."""
     from megatron_muon.core.newton_schulz import newton_schulz
     from megatron_muon.core.plan import UnitTask, plan_owners
-    from megatron_muon.core.units import whole_units
-    from megatron_muon.distributed.owner_centric import OwnerCentricNS, Piece, ShardedMatrix
+    from megatron_muon.distributed.owner_centric import OwnerCentricNS
 
     shapes = [(16, 8)] * 5 + [(8, 32)] * 3 + [(64, 64), (96, 24)]
-    mats, off = [], 0
-    for k, shape in enumerate(shapes):
-        n = shape[0] * shape[1]
-        mats.append(ShardedMatrix(f"w{k}", shape, tuple(whole_units(shape)), None, 1,
-                                  (Piece(0, 0, 0, n, off),)))
-        off += n
+    mats, off = _whole_on_one_rank(shapes)
     plan = plan_owners([UnitTask(m.unit_key(0), m.shape, 1.0) for m in mats], 1)
 
     def per_call_ns(x, **kw):  # newton_schulz without ``in_workspace``: the backends' path

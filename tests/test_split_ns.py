@@ -15,9 +15,9 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def reference(world: int, seed: int, dtype=torch.float32, steps: int = 5,
-              coefficients: str = "quintic") -> list:
+              coefficients: str = "quintic", names=None) -> list:
     """Every rank's expected output pieces: each unit's NS whole (times the Muon scale)."""
-    mats, fulls, offset = split_case(world, seed)
+    mats, fulls, offset = split_case(world, seed, names)
     results = {}
     for mat in mats:
         full = fulls[mat.key]
@@ -55,10 +55,31 @@ def test_split_units_equal_whole_ns_in_fp32():
         forms |= {s.form for s in splits.values()}
         for r in res:
             torch.testing.assert_close(r["out"], want[r["rank"]], rtol=0, atol=2e-4)
-        # every rank took part in the all-reduces; bytes only where it had parts
+        # bytes only where a rank has parts
         assert all((r["stats"]["by_kind"].get("split", [0, 0])[0] > 0) == (r["parts"] > 0)
                    for r in res)
     assert forms == {"b", "ay"}
+
+
+def test_ranks_without_a_part_exchange_nothing():
+    """The split all-reduces are point to point among each unit's ranks: with one unit cut
+    in 2 on 4 ranks (``names``: only the 34 x 7 matrix), a rank without a
+    part makes no call at all (an all-to-all over the group would make 2 + 2 x 5 on every
+    rank, most of them empty), each rank with parts makes exactly the 2 halves of the norm's
+    and of the 5 NS steps' all-reduces, and the result is the whole-unit NS's (tolerance as
+    in test_split_units_equal_whole_ns_in_fp32)."""
+    world, names = 4, ("tall",)
+    want = reference(world, seed=2, names=names)
+    res = run_ranks("megatron_muon.testing.split_workers:split_run", world,
+                    dict(parts=2, seed=2, names=names), timeout=240)
+    assert len(res[0]["splits"]) == 1
+    holders = {r for s in res[0]["splits"].values() for r in s.ranks}
+    assert 2 <= len(holders) < world, res[0]["splits"]
+    for r in res:
+        torch.testing.assert_close(r["out"], want[r["rank"]], rtol=0, atol=2e-4)
+        calls = r["stats"]["by_kind"].get("split", [0, 0, 0])[2]
+        assert (r["parts"] > 0) == (r["rank"] in holders)
+        assert calls == (2 * (1 + 5) if r["parts"] else 0), (r["rank"], r["stats"])
 
 
 def test_split_units_at_the_default_bf16_precision():

@@ -473,14 +473,16 @@ def _count_nodes(size: int, stride: int, gpn: int, base: int) -> int:
 
 
 def collective_time(hw: Hardware, kind: str, group: Group, recv_bytes: float,
-                    inter_bytes: Optional[float] = None) -> float:
+                    inter_bytes: Optional[float] = None, peers: Optional[int] = None) -> float:
     """Seconds of one collective in which a rank receives ``recv_bytes``.
 
     ring kinds ('all_gather', 'reduce_scatter'): alpha + recv / (bw x ring efficiency),
     bw = InfiniBand when the group spans nodes (the ring's slowest link), else NVLink;
     alpha = base + hops, with (local - 1) NVLink hops and log2(nodes) InfiniBand hops
     (NCCL's tree/PAT algorithms at scale).  'all_reduce' = 2 x the reduce-scatter bytes.
-    'all_to_all': alpha + (size - 1) peer costs + max(intra bytes / NVLink, inter bytes / IB).
+    'all_to_all': alpha + (size - 1) peer costs + max(intra bytes / NVLink, inter bytes / IB);
+    ``peers``: the peers with something to move, where fewer (torch's NCCL all-to-all with
+    split sizes issues no send / receive for a zero count).
     A calibrated profile (gloo) replaces bandwidth and latency by its measured pair
     ('kind@size' when that group size was measured).
     """
@@ -500,7 +502,7 @@ def collective_time(hw: Hardware, kind: str, group: Group, recv_bytes: float,
         if inter_bytes is None:
             inter_bytes = recv_bytes * (g - local) / (g - 1)
         intra = recv_bytes - inter_bytes
-        return (hw.coll_base_lat + (g - 1) * hw.a2a_peer_lat +
+        return (hw.coll_base_lat + (g - 1 if peers is None else peers) * hw.a2a_peer_lat +
                 max(intra / (hw.intra_bw * hw.a2a_efficiency),
                     inter_bytes / (hw.inter_bw * hw.a2a_efficiency)))
     lat = hw.coll_base_lat + (local - 1) * hw.intra_lat + \
@@ -568,6 +570,10 @@ class Exchange:
     scatter_recv: list
     gather_inter: list  # received from other nodes in the gather
     scatter_inter: list
+    # per rank, the peers it exchanges anything with, summed over the buckets' all-to-alls
+    # (None: not counted); NCCL's all-to-all skips the peers with nothing to move
+    gather_peers: Optional[list] = None
+    scatter_peers: Optional[list] = None
 
     @property
     def sent(self) -> list:
@@ -623,6 +629,8 @@ def matrix_exchange(matrices: Sequence, plan, group: Group) -> Exchange:
     (``split_allreduce``)."""
     n = group.size
     gs, gr, ss, sr, gi, si = ([0] * n for _ in range(6))
+    gp: list = [set() for _ in range(n)]  # (bucket, peer) pairs of each rank
+    sp: list = [set() for _ in range(n)]
     for m in matrices:
         placed = placed_units(m, plan)
         whole = len(placed) == 1 and placed[0][0].numel == m.shape[0] * m.shape[1]
@@ -637,14 +645,19 @@ def matrix_exchange(matrices: Sequence, plan, group: Group) -> Exchange:
                 if not elems:
                     continue
                 remote = group.node(pc.rank) != group.node(o)
+                b = getattr(m, "bucket", None)
                 if pc.source:
                     gs[pc.rank] += elems
                     gr[o] += elems
                     gi[o] += elems if remote else 0
+                    gp[pc.rank].add((b, o))
+                    gp[o].add((b, pc.rank))
                 ss[o] += elems
                 sr[pc.rank] += elems
                 si[pc.rank] += elems if remote else 0
-    return Exchange(gs, gr, ss, sr, gi, si)
+                sp[o].add((b, pc.rank))
+                sp[pc.rank].add((b, o))
+    return Exchange(gs, gr, ss, sr, gi, si, [len(x) for x in gp], [len(x) for x in sp])
 
 
 @dataclass(frozen=True)
@@ -680,15 +693,15 @@ def split_allreduce(plan, group: Group, hw: "Hardware", steps: int,
     from megatron_muon.core.plan import split_bytes, split_costs
 
     shape = {t.key: t.shape for t in plan.tasks}
-    # the executor runs each all-reduce as two all-to-alls over the whole group (one pair
-    # per NS step for every split unit, plus the norm's pair): every rank pays their latency
-    empty = (2 + 2 * steps) * collective_time(hw, "all_to_all", group, 0.0)
-    secs = [empty] * n
+    # the executor runs each all-reduce point to point among the unit's ranks (a rank with
+    # no part takes no part): per NS step one Gram all-reduce, plus the norm's (4 bytes)
     for key, sp in splits.items():
         sh, k = shape[key], len(sp.ranks)
         _, part_flops, _ = split_costs(sh, sp.widths, steps, 1.0, ay=sp.form == "ay")
         per_step = split_bytes(sh, k, 1, element_size)  # one Gram all-reduce, bytes per rank
-        t = steps * collective_time(hw, "all_reduce", RankSet.of(sp.ranks, group), per_step / 2)
+        ranks = RankSet.of(sp.ranks, group)
+        t = steps * collective_time(hw, "all_reduce", ranks, per_step / 2) + \
+            collective_time(hw, "all_reduce", ranks, 4.0)
         for j, r in enumerate(sp.ranks):
             flops[r] += part_flops[j]
             secs[r] += t
@@ -1002,13 +1015,21 @@ def _cost_zero1_muon(st, hw, run, mode) -> _Costs:
             ex = matrix_exchange(mats, plan, g)
             gmax = max(range(g.size), key=lambda q: max(ex.gather_recv[q], ex.gather_sent[q]))
             smax = max(range(g.size), key=lambda q: max(ex.scatter_recv[q], ex.scatter_sent[q]))
+            # the exchange's all-to-alls (one gather and one scatter per bucket): the busiest
+            # rank's bytes; the per-peer latency of the rank with the most peers over the
+            # buckets (NCCL skips the empty peers; a calibrated profile's measured latency
+            # is per call)
+            sparse = None if hw.collectives else (max(ex.gather_peers), max(ex.scatter_peers))
             comm += collective_time(
                 hw, "all_to_all", g, max(ex.gather_recv[gmax], ex.gather_sent[gmax]) * cb,
-                ex.gather_inter[gmax] * cb)
+                ex.gather_inter[gmax] * cb, peers=sparse and 0)
             comm += collective_time(
                 hw, "all_to_all", g, max(ex.scatter_recv[smax], ex.scatter_sent[smax]) * cb,
-                ex.scatter_inter[smax] * cb)
-            comm += 2 * (st.nbuckets - 1) * collective_time(hw, "all_to_all", g, 0.0)
+                ex.scatter_inter[smax] * cb, peers=sparse and 0)
+            comm += 2 * (st.nbuckets - 1) * collective_time(hw, "all_to_all", g, 0.0,
+                                                             peers=sparse and 0)
+            if sparse:
+                comm += sum(sparse) * hw.a2a_peer_lat
             sflops, ssecs, sbytes = split_allreduce(plan, g, hw, run.ns_steps,
                                                     run.ns_dtype_bytes)
             c.muon_recv += max(r * cb + b for r, b in zip(ex.recv, sbytes))

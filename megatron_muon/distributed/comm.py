@@ -1,4 +1,5 @@
-"""Communication: how DMuon's bytes move.  One all-to-all per exchange, on gloo and NCCL.
+"""Communication: how DMuon's bytes move.  One all-to-all per exchange, on gloo and NCCL;
+point-to-point among a few ranks of a large group (``exchange_p2p``).
 
 Knows nothing of Megatron; the caller supplies flat buffers, split sizes and the group.
 ``CommStats`` counts what crossed the wire so tests can assert traffic bounds.
@@ -13,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "all_to_all_flat", "failed_ranks"]
+__all__ = ["CommStats", "all_to_all_flat", "exchange_p2p", "failed_ranks"]
 
 
 @dataclass
@@ -75,6 +76,52 @@ def all_to_all_flat(send: torch.Tensor, send_counts: Sequence[int], recv_counts:
                                   input_split_sizes=list(map(int, send_counts)), group=group,
                                   async_op=async_op)
     return recv, (work if async_op else None)
+
+
+def exchange_p2p(send: Sequence[Optional[torch.Tensor]], recv_counts: Sequence[int],
+                 group: Optional[dist.ProcessGroup], stats: Optional[CommStats] = None,
+                 kind: str = "p2p", dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None) -> list:
+    """``send[j]`` (1-D; None or empty: nothing) to group rank j, ``recv_counts[j]``
+    elements from group rank j, as one batch of point-to-point sends and receives with the
+    peers that have something to exchange (``dist.batch_isend_irecv``), waited on.
+
+    Returns what came from each group rank (an empty tensor for this rank and for peers that
+    sent nothing).  Unlike an all-to-all, a rank with nothing to send or receive makes no
+    call at all, and a rank's cost grows with its peers, not with the group: the exchange
+    for a handful of ranks of a 1024-rank group.  Both sides must agree on the counts (the
+    caller checks them once, ``OwnerCentricNS._check_exchange``).  Peers are addressed by
+    their global rank (``dist.get_global_rank``), so any subgroup works on gloo and NCCL.
+    On NCCL a batch reuses the group's communicator, but only once the group has run a
+    collective in which all its ranks took part (before that, every rank must join the
+    batch); ``_check_exchange``'s collectives at construction are that first call.
+    """
+    world = dist.get_world_size(group) if group is not None else 1
+    me = dist.get_rank(group) if group is not None else 0
+    recv = [torch.empty(int(c) if j != me else 0, dtype=dtype, device=device)
+            for j, c in enumerate(recv_counts)]
+    if world == 1:
+        return recv
+    pg = group if group is not None else dist.group.WORLD
+    ops, sent = [], 0
+    for j in range(world):
+        if j == me:
+            continue
+        peer = dist.get_global_rank(pg, j)
+        if send[j] is not None and send[j].numel():
+            ops.append(dist.P2POp(dist.isend, send[j].contiguous(), peer, pg))
+            sent += send[j].numel()
+        if recv[j].numel():
+            ops.append(dist.P2POp(dist.irecv, recv[j], peer, pg))
+    if not ops:
+        return recv
+    if stats is not None:
+        el = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else \
+            torch.iinfo(dtype).bits // 8
+        stats.add(kind, sent * el, sum(r.numel() for r in recv) * el)
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return recv
 
 
 def failed_ranks(failed: bool, group: Optional[dist.ProcessGroup],

@@ -13,13 +13,14 @@ the NS polynomial; 'ay' skips the s x s product A A (cheaper for parts narrower 
 and is used in fp32 only (``plan.SplitPolicy.ay``).  The planner chooses the form and the
 part widths (``plan.split_costs``).
 
-The all-reduces run over the owner-centric exchange's group as all-to-alls (every rank of
-the group takes part, most with nothing to send): a reduce-scatter, in which the rank of
-part c sums chunk c of every part's Gram matrix in part order (in fp32), then an
-all-gather of the sums.  One pair of all-to-alls serves every split unit of the group at
-once.  (An all-to-all over a large group costs a latency per rank even where nothing
-moves; point-to-point among each unit's ranks would not: not done.)  The sum is taken once, in a fixed order, so every rank of a unit gets the same A
-bit for bit.  Only the upper triangle of each (symmetric) Gram matrix travels, in the NS
+The all-reduces run point to point among each unit's ranks (``comm.exchange_p2p``; a rank
+with no part takes no part): a reduce-scatter, in which the rank of part c sums chunk c of
+every part's Gram matrix in part order (in fp32), then an all-gather of the sums.  One
+batch of sends and receives per half serves every split unit this rank has a part of, one
+message per peer.  (The first version ran both halves as all-to-alls over the whole group,
+which at 1024 ranks cost every rank a latency per peer for each of the 2 + 2 x steps
+exchanges of a step, most of them empty.)  The sum is taken once, in a fixed order, so
+every rank of a unit gets the same A bit for bit.  Only the upper triangle of each (symmetric) Gram matrix travels, in the NS
 dtype: bf16 by default, half fp32's bytes
 for the same numbers, since a part's ``X_j X_j^T`` is a bf16 GEMM's output either way and
 the fp32 sum is rounded to bf16 for the next product, as the whole unit's A is.
@@ -34,7 +35,7 @@ import torch
 
 from megatron_muon.core.newton_schulz import resolve_coefficients
 from megatron_muon.core.units import long_axis
-from megatron_muon.distributed.comm import all_to_all_flat
+from megatron_muon.distributed.comm import exchange_p2p
 
 __all__ = ["SplitNS", "Round"]
 
@@ -87,12 +88,10 @@ class Round:
 
     @staticmethod
     def _exchange(send: list, counts: tuple, group, stats, kind: str, dtype, device) -> list:
-        """``send[j]`` (tensors) to group rank j in one all-to-all of ``counts`` (send,
-        receive per peer); what came from each peer, as views of the receive buffer."""
-        flat = [t for per in send for t in per]
-        buf = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
-        recv, _ = all_to_all_flat(buf, counts[0], counts[1], group, stats, kind)
-        return list(torch.split(recv, [int(c) for c in counts[1]]))
+        """``send[j]`` (tensors) to group rank j, point to point with the unit's other
+        ranks only (``counts``: send, receive per peer); what came from each peer."""
+        return exchange_p2p([torch.cat(per) if per else None for per in send], counts[1],
+                            group, stats, kind, dtype, device)
 
     def run(self, payloads: list, group, stats, kind: str, device,
             dtype: torch.dtype = torch.float32) -> list:
@@ -146,8 +145,8 @@ class SplitNS:
 
     ``splits``: the plan's {unit key: ``SplitUnit``}; ``shapes``: {unit key: unit shape};
     ``offset``: where this rank's parts start in its unit buffer (after its whole units).
-    Every rank of the group runs the all-to-alls of ``run`` whenever the group has a split
-    unit (``active``), also a rank with no part."""
+    Only the ranks with a part exchange anything in ``run`` (point to point with the
+    other ranks of their units)."""
 
     def __init__(self, engine, splits: dict, shapes: dict, offset: int):
         self.engine = engine

@@ -26,14 +26,16 @@ SHAPES = [
 TP = 2
 
 
-def split_case(world: int, seed: int = 0) -> tuple:
+def split_case(world: int, seed: int = 0, names: Optional[tuple] = None) -> tuple:
     """``(matrices, full tensors)``: every matrix's TP shards cut into random flat ranges
     held by random ranks of a ``world``-rank group (local offsets packed per rank); the
-    full fp32 matrices drawn from ``seed``.  Deterministic: every process builds the same."""
+    full fp32 matrices drawn from ``seed``.  Deterministic: every process builds the same.
+    ``names``: only these of ``SHAPES``."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     mats, fulls, offset = [], {}, [0] * world
-    for bucket, (name, (m, n), tp_dim, units) in enumerate(SHAPES):
+    shapes = [s for s in SHAPES if names is None or s[0] in names]
+    for bucket, (name, (m, n), tp_dim, units) in enumerate(shapes):
         tp = 1 if tp_dim is None else TP
         shard = m * n // tp
         pieces = []
@@ -70,15 +72,16 @@ def local_input(mats, fulls, me: int, numel: int) -> torch.Tensor:
 
 
 def split_run(parts: Optional[int] = None, flops_per_byte: float = 2500.0, seed: int = 0,
-              dtype: str = "float32", steps: int = 5, coefficients: str = "quintic") -> dict:
+              dtype: str = "float32", steps: int = 5, coefficients: str = "quintic",
+              names: Optional[tuple] = None) -> dict:
     """One engine step on this rank with units split into ``parts`` (None: the planner's
-    choice at ``flops_per_byte``); returns this rank's output pieces, the plan, the bytes
-    the split all-reduces moved."""
+    choice at ``flops_per_byte``), on ``split_case(..., names)``; returns this rank's output
+    pieces, the plan, the bytes the split all-reduces moved."""
     from megatron_muon.core.plan import SplitPolicy, UnitTask, flops_cost, plan_owners
     from megatron_muon.distributed.owner_centric import OwnerCentricNS
 
     world, me = dist.get_world_size(), dist.get_rank()
-    mats, fulls, offset = split_case(world, seed)
+    mats, fulls, offset = split_case(world, seed, names)
     cost = flops_cost(steps)
     tasks = [UnitTask(m.unit_key(i), u.shape, cost(u.shape), 4 * u.numel)
              for m in mats for i, u in enumerate(m.units)]
