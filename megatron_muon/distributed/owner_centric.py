@@ -281,7 +281,8 @@ class OwnerCentricNS:
 
     # ------------------------------------------------------------------ validation
     def _exchanges(self) -> list:
-        """``[(kind, bucket key, table)]``: every all-to-all of a step, in the order it runs."""
+        """``[(kind, bucket key, table)]``: every exchange of a step, in the order it runs
+        (the buckets' all-to-alls, then the split units' point-to-point halves)."""
         split = [(f"{name} {'reduce-scatter' if half == 'rs' else 'all-gather'}", None,
                   _Counts(*getattr(r, half)))
                  for name, r in self.split.rounds() for half in ("rs", "ag")]
