@@ -11,7 +11,8 @@ and PP2 x DP2; matrix placement; ZeRO-3 at DP4 and PP2 x DP2; save -> resume -> 
 ``--ckpt-format torch_dist`` and Megatron-LM's default checkpoint flags; DP4 checkpoints
 (dmuon, ZeRO-3) resumed on TP2 x DP2 with those flags; full activation recompute with
 dmuon (and dropout) and with ZeRO-3; the legacy ``model_provider`` (``get_model``) path with
-matrix placement.
+matrix placement; split Newton-Schulz (``--dmuon-split-parts 2``) with Megatron's overlap
+flags, and resumed at TP2 x DP2.
 
 A second launch (``peft_runs``) runs the PEFT lifecycle: dmuon pretraining -> LoRA + sMuon
 fine-tuning from it (``--load --finetune``, adapter-only checkpoints) -> resume (same layout
@@ -76,6 +77,8 @@ def _spec(out: Path) -> dict:
     untied = ["--untie-embeddings-and-output-weights"]  # ZeRO-3 with PP needs them untied
     recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform",
                  "--recompute-num-layers", "1"]
+    split = ["--dmuon-split-parts", "2"]
+    overlap = ["--overlap-grad-reduce", "--overlap-param-gather"]
     dropout = ["--hidden-dropout", "0.1"]  # recompute must replay the forward's masks
     save = lambda d: ["--save", str(out / d), "--save-interval", str(SAVE_AT)]  # noqa: E731
     load = lambda d: ["--load", str(out / d), "--ckpt-step", str(SAVE_AT)]  # noqa: E731
@@ -97,6 +100,11 @@ def _spec(out: Path) -> dict:
         ["dmuon_dropout", dm + dropout],
         ["dmuon_recompute", dm + dropout + recompute],
         ["legacy_matrix_tp2", matrix + tp2 + ["--legacy-model-provider"]],
+        # every unit's Newton-Schulz split over 2 ranks (point-to-point Gram all-reduces),
+        # with Megatron's grad-reduce / param-gather overlap, and resumed at TP2 x DP2 from the
+        # unsplit DP4 checkpoint
+        ["dmuon_split", dm + split + overlap],
+        ["dmuon_split_tp2_resume", dm + split + tp2 + load("ck_dmuon")],
     ]}
 
 
@@ -233,6 +241,22 @@ def test_checkpoints_reshard_from_dp4_to_tp2dp2_with_default_flags(runs):
     for resumed, whole in (("dmuon_tp2_resume", "dmuon"), ("zero3_tp2_resume", "zero3")):
         assert r[resumed]["first_iteration"] == SAVE_AT + 1
         _close(r[resumed]["losses"], r[whole]["losses"][SAVE_AT:])
+
+
+@launched
+def test_split_newton_schulz_reaches_the_dmuon_loss(runs):
+    """``--dmuon-split-parts 2``: each unit's Newton-Schulz runs on 2 ranks, which all-reduce
+    its Gram matrix point to point.  Only the Gram matrix's fp32 summation order changes (the
+    parts' partial products are summed across ranks): a relative error of a few roundings,
+    the same order as TP2's reordering, amplified by Newton-Schulz as in TOLERANCE's
+    derivation, so TOLERANCE bounds it.  Also resumed at TP2 x DP2 from the unsplit DP4
+    checkpoint."""
+    _, r = runs
+    dmuon = r["dmuon"]["losses"]
+    assert r["dmuon_split"]["losses"][0] == dmuon[0]  # no update yet: bitwise the same
+    _close(r["dmuon_split"]["losses"], dmuon)
+    assert r["dmuon_split_tp2_resume"]["first_iteration"] == SAVE_AT + 1
+    _close(r["dmuon_split_tp2_resume"]["losses"], dmuon[SAVE_AT:])
 
 
 @launched
