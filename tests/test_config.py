@@ -32,8 +32,10 @@ def cfg(**kw):
     (dict(dmuon_overlap="maybe"), "dmuon_overlap 'maybe' is unknown; choose one of auto, on, off"),
     (dict(dmuon_locality_slack=-0.5), "dmuon_locality_slack must be a finite number >= 0"),
     (dict(dmuon_adam_params="(unclosed"), "dmuon_adam_params '\\(unclosed' is not a valid"),
-    (dict(dmuon_zero3=True), "dmuon_zero3=True needs optimizer='dmuon' and dmuon_placement='matrix'"),
-    (dict(dmuon_zero3=True, dmuon_placement="matrix", optimizer="muon_naive"), "dmuon_zero3"),
+    (dict(dmuon_zero3=True, dmuon_placement="matrix", optimizer="muon_naive"),
+     "dmuon_zero3=True needs optimizer='dmuon' and dmuon_placement='matrix' or "
+     "optimizer='dmuon' and dmuon_placement='dmuon' or optimizer='muon_naive' and "
+     "dmuon_placement='dmuon' \\(got optimizer='muon_naive' and dmuon_placement='matrix'\\)"),
     (dict(dmuon_split="sometimes"), "dmuon_split 'sometimes' is unknown; choose one of auto, off"),
     (dict(dmuon_split_parts=1), "dmuon_split_parts must be an integer >= 2, got 1"),
     (dict(dmuon_split_parts=2, dmuon_placement="matrix"),

@@ -82,11 +82,14 @@ def _spec(out: Path) -> dict:
     dm = ["--optimizer", "dmuon", "--muon-fp32-matmul-prec", "highest"]
     matrix = dm + ["--dmuon-placement", "matrix"]
     zero3 = matrix + ["--dmuon-zero3", "--overlap-grad-reduce"]
+    recon = ["--optimizer", "muon_naive", "--muon-fp32-matmul-prec", "highest",
+             "--dmuon-zero3", "--overlap-grad-reduce"]
     tp2, pp2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
     untied = ["--untie-embeddings-and-output-weights"]  # ZeRO-3 with PP needs them untied
     recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform",
                  "--recompute-num-layers", "1"]
     split = ["--dmuon-split-parts", "2"]
+    bf16 = ["--bf16"]
     overlap = ["--overlap-grad-reduce", "--overlap-param-gather"]
     dropout = ["--hidden-dropout", "0.1"]  # recompute must replay the forward's masks
     save = lambda d: ["--save", str(out / d), "--save-interval", str(SAVE_AT)]  # noqa: E731
@@ -116,6 +119,14 @@ def _spec(out: Path) -> dict:
         ["dmuon_split_tp2_resume", dm + split + tp2 + load("ck_dmuon")],
         # Megatron's default precision: bf16 Newton-Schulz
         ["dmuon_default_prec", ["--optimizer", "dmuon"]],
+        # the reconstruction baseline: ZeRO-3 on Megatron's even shards, muon_naive's step
+        ["recon_zero3", recon + save("ck_recon")],
+        ["recon_zero3_resume", recon + load("ck_recon")],
+        # --bf16 under ZeRO-3 (Float16Module between DDP and the model), saved and resumed
+        ["zero3_bf16", zero3 + bf16 + save("ck_zero3_bf16")],
+        ["zero3_bf16_resume", zero3 + bf16 + load("ck_zero3_bf16")],
+        ["recon_bf16", recon + bf16 + save("ck_recon_bf16")],
+        ["recon_bf16_resume", recon + bf16 + load("ck_recon_bf16")],
     ]}
 
 
@@ -290,6 +301,36 @@ def test_default_precision_trains_through_megatron_lm(runs):
     assert bf16[1] != fp32[1]
     for b, f in zip(bf16[1:], fp32[1:]):
         assert abs(b - f) <= 0.01 * (fp32[0] - f), (bf16, fp32)
+
+
+@launched
+def test_reconstruction_baseline_reaches_the_dmuon_loss_and_resumes(runs):
+    """``--optimizer muon_naive --dmuon-zero3`` with the default placement: ZeRO-3 on
+    Megatron's even shards, every matrix gathered on every rank in the step.  The same
+    update as DMuon (only the fp32 summation order differs: TOLERANCE), and its save ->
+    resume gives the uninterrupted run's losses bit for bit."""
+    _, r = runs
+    dmuon, recon = r["dmuon"]["losses"], r["recon_zero3"]["losses"]
+    assert recon[0] == dmuon[0]  # no update yet: bitwise the same
+    _close(recon, dmuon)
+    assert r["recon_zero3_resume"]["first_iteration"] == SAVE_AT + 1
+    assert r["recon_zero3_resume"]["losses"] == recon[SAVE_AT:]
+
+
+@launched
+def test_zero3_bf16_saves_and_resumes_bitwise(runs):
+    """``--bf16`` puts Float16Module between DDP and the model, and Megatron-LM's
+    save_checkpoint asks the unwrapped model for its sharded state dict: ZeRO-3 must gather
+    there too (it did not: the save read freed gather buffers, SIGSEGV).  MatrixFSDP and
+    the even-shard reconstruction baseline (whose bf16 main params are built from the
+    gathered buckets) both train, save, and resume to the uninterrupted losses bit for bit."""
+    _, r = runs
+    for name in ("zero3_bf16", "recon_bf16"):
+        full, resumed = r[name]["losses"], r[f"{name}_resume"]["losses"]
+        assert len(full) == STEPS and all(math.isfinite(x) for x in full)
+        assert full[-1] < full[0] - 0.1, name
+        assert r[f"{name}_resume"]["first_iteration"] == SAVE_AT + 1
+        assert resumed == full[SAVE_AT:], name
 
 
 @launched

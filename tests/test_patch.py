@@ -741,7 +741,10 @@ def test_every_config_field_has_a_flag():
     (["--muon-extra-scale-factor", "0"], "--muon-extra-scale-factor must be a finite number > 0"),
     (["--dmuon-adam-params", "(unclosed"], "--dmuon-adam-params '(unclosed' is not a valid"),
     (["--dmuon-locality-slack", "-1"], "--dmuon-locality-slack must be a finite number >= 0"),
-    (["--dmuon-zero3"], "--dmuon-zero3 needs --optimizer dmuon --dmuon-placement matrix"),
+    (["--optimizer", "muon_naive", "--dmuon-placement", "matrix", "--dmuon-zero3"],
+     "--dmuon-zero3 needs --optimizer dmuon --dmuon-placement matrix or --optimizer dmuon "
+     "--dmuon-placement dmuon or --optimizer muon_naive --dmuon-placement dmuon (got "
+     "--optimizer muon_naive --dmuon-placement matrix)"),
 ])
 def test_validate_dmuon_args_messages(argv, message):
     from megatron_muon.megatron.arguments import DMuonArgumentError, validate_dmuon_args

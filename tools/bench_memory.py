@@ -53,7 +53,8 @@ alias_typing_override()
 
 from megatron_muon.megatron.checkpoint import SHARDING_TYPES  # noqa: E402
 
-VARIANTS = ("adam", "mcore_muon", "dmuon", "dmuon_matrix", "dmuon_zero3")
+VARIANTS = ("adam", "mcore_muon", "dmuon", "dmuon_matrix", "dmuon_zero3", "dmuon_zero3_sync",
+            "recon_zero3", "recon_zero3_sync")
 
 
 # -- per-process memory ---------------------------------------------------------------------
@@ -137,13 +138,11 @@ def worker(cfg: dict, tp: int, variant: str, steps: int, save_dir: str,
            phase_dir: Optional[str] = None, adam_sharding: str = "dp_reshardable",
            ns_prec: Optional[str] = None) -> dict:
     import torch.distributed as dist
-    from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_muon.megatron.checkpoint import save_checkpoint
-    from megatron_muon.megatron.factory import get_megatron_optimizer
-    from megatron_muon.testing.gpt import TinyGPTConfig, build_gpt, init_parallel, layout_ranks, \
+    from megatron_muon.testing.gpt import TinyGPTConfig, init_parallel, layout_ranks, \
         train_step
-    from megatron_muon.testing.workers import make_optimizer_config
+    from megatron_muon.testing.workers import build_bench_variant
 
     base = current_bytes()  # torch, Megatron and the package imported; nothing built yet
     gcfg = TinyGPTConfig(**cfg)
@@ -161,24 +160,10 @@ def worker(cfg: dict, tp: int, variant: str, steps: int, save_dir: str,
         # fp32-usable, as tools/bench_optimizer.py builds it
         model, optim = build_mcore_muon(gcfg, ocfg)
     else:
-        zero3 = variant == "dmuon_zero3"
-        matrix = zero3 or variant == "dmuon_matrix"
         prec = {} if ns_prec is None or variant == "adam" else \
             dict(muon_fp32_matmul_prec=ns_prec)
-        ocfg = make_optimizer_config("adam" if variant == "adam" else "dmuon", lr=1e-3,
-                                     dmuon_log_plan=False, dmuon_overlap=False,
-                                     dmuon_placement="matrix" if matrix else "dmuon",
-                                     dmuon_zero3=zero3, **prec)
-        placement = None
-        if matrix:
-            from megatron_muon.megatron.matrix_placement import matrix_placement_for
-
-            placement = matrix_placement_for(ocfg, log=False)
-        ddp = dict(overlap_grad_reduce=True, bucket_size=20_000_000) if zero3 else {}
-        model = build_gpt(gcfg, ddp_config=DistributedDataParallelConfig(
-            use_distributed_optimizer=True, grad_reduce_in_fp32=True, **ddp),
-            placement=placement)
-        optim = get_megatron_optimizer(ocfg, model)
+        model, optim = build_bench_variant(variant, gcfg, 20_000_000, lr=1e-3,
+                                           dmuon_overlap=False, **prec)
     rank_params = sum(p.numel() for chunk in model for p in chunk.parameters())
     ranks = layout_ranks()
     # ZeRO-3 shards the parameters: count the replica's parameters, not the rank's views
@@ -283,7 +268,7 @@ def main(argv=None) -> int:
           f"seq {a.seq_length}, micro-batch 1, fp32; each variant in its own job; "
           f"{'CUDA max allocated' if torch.cuda.is_available() else 'CPU peak RSS (VmHWM)'}")
     print(f"# command: python tools/bench_memory.py {' '.join(argv or sys.argv[1:])}")
-    print(f"{'variant':14s} {'build MiB':>10s} {'steady MiB':>11s} {'vs AdamW':>9s} "
+    print(f"{'variant':18s} {'build MiB':>10s} {'steady MiB':>11s} {'vs AdamW':>9s} "
           f"{'above imports':>14s} {'B/param':>8s} {'save MiB':>9s} {'save/steady':>12s} "
           f"{'held MiB':>9s} {'held vs AdamW':>14s}")
 
@@ -297,7 +282,7 @@ def main(argv=None) -> int:
     for v in variants:
         rows = results[v]
         if not isinstance(rows, list):
-            print(f"{v:14s} unavailable: {rows}")
+            print(f"{v:18s} unavailable: {rows}")
             continue
         steady, save, base = worst(rows, "steady"), worst(rows, "save"), worst(rows, "base")
         params = rows[0]["replica_params"]
@@ -311,7 +296,7 @@ def main(argv=None) -> int:
             save_s, ratio = f"{'killed' if killed else 'failed':>9s}", f"{'(OOM?)' if killed else '':>12s}"
         held = worst(rows, "held")
         held_rel = f"{held / adam_held:13.3f}x" if adam_held else "             -"
-        print(f"{v:14s} {worst(rows, 'build') / mib:10.0f} {steady / mib:11.0f} {rel:>9s} "
+        print(f"{v:18s} {worst(rows, 'build') / mib:10.0f} {steady / mib:11.0f} {rel:>9s} "
               f"{above / mib:14.0f} {per_param:8.2f} {save_s} {ratio} {held / mib:9.0f} "
               f"{held_rel}")
     if a.json:

@@ -22,7 +22,14 @@ and after each phase).  Variants:
 * ``dmuon_matrix``: MatrixFSDP placement (``dmuon_placement='matrix'``, overlap off);
   ``dmuon_zero3`` the same placement under ZeRO-3 (``dmuon_zero3=True``: buckets of
   ``--zero3-bucket-size`` elements are gathered for forward and backward, so its cost shows
-  in the total).
+  in the total); ``recon_zero3``: the reconstruction baseline, ZeRO-3 on Megatron's even
+  shards (every rank stores a 1/DP slice of every bucket, the same buckets) with
+  ``muon_naive``'s step (every rank gathers every matrix, orthogonalises it, keeps its
+  slice).  ZeRO-3 prefetches the next bucket's gather during forward and backward (the
+  default); ``dmuon_zero3_sync`` / ``recon_zero3_sync`` turn that off
+  (``dmuon_zero3_prefetch=False``).  For the ZeRO-3 rows ``fwd+bwd KiB/r`` is what a rank
+  sends in their bucket gathers and gradient reduce-scatters per step (a ring collective
+  over W ranks sends (W - 1) / W of the bucket).
 
 A second table gives bytes sent/received per rank in the Muon exchange, Muon state bytes and
 memory per rank (param and grad buffers with their padding, optimizer state incl. fp32 main
@@ -64,16 +71,13 @@ def _mcore_muon_config(base: dict, tp_mode: str):
 
 
 VARIANTS = ("adam", "muon_naive", "dmuon", "dmuon_noov", "dmuon_matrix", "dmuon_zero3",
-            "mcore_muon_duplicated", "mcore_muon_blockwise")
+            "dmuon_zero3_sync", "recon_zero3", "recon_zero3_sync", "mcore_muon_duplicated",
+            "mcore_muon_blockwise")
 
 
 def _build(name: str, gcfg, prec: str, ns_steps: int, clip_grad: float, zero3_bucket_size: int):
     """(model, optimizer) of one variant; raises ImportError etc. when it cannot be built."""
-    from megatron.core.distributed import DistributedDataParallelConfig
-
-    from megatron_muon.megatron.factory import get_megatron_optimizer
-    from megatron_muon.testing.gpt import build_gpt
-    from megatron_muon.testing.workers import make_optimizer_config
+    from megatron_muon.testing.workers import build_bench_variant
 
     torch.manual_seed(gcfg.seed)
     if name.startswith("mcore_muon"):
@@ -82,25 +86,12 @@ def _build(name: str, gcfg, prec: str, ns_steps: int, clip_grad: float, zero3_bu
         ocfg = _mcore_muon_config(dict(ns_steps=ns_steps, prec=prec, clip_grad=clip_grad),
                                   "duplicated" if name.endswith("duplicated") else "blockwise")
         return build_mcore_muon(gcfg, ocfg)
-    zero3 = name == "dmuon_zero3"
-    matrix = zero3 or name == "dmuon_matrix"
     # 'dmuon' keeps the default overlap policy ('auto'); every other DMuon row has it off so
     # that all of its work is inside optimizer.step()
     overlap = {} if name == "dmuon" else dict(dmuon_overlap=False)
-    ocfg = make_optimizer_config("dmuon" if name.startswith("dmuon") else name, lr=1e-3,
-                                 muon_fp32_matmul_prec=prec, muon_num_ns_steps=ns_steps,
-                                 dmuon_log_plan=False, clip_grad=clip_grad,
-                                 dmuon_placement="matrix" if matrix else "dmuon",
-                                 dmuon_zero3=zero3, **overlap)
-    placement = None
-    if matrix:
-        from megatron_muon.megatron.matrix_placement import matrix_placement_for
-
-        placement = matrix_placement_for(ocfg, log=False)
-    ddp = dict(overlap_grad_reduce=True, bucket_size=zero3_bucket_size) if zero3 else {}
-    model = build_gpt(gcfg, ddp_config=DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=True, **ddp), placement=placement)
-    return model, get_megatron_optimizer(ocfg, model)
+    return build_bench_variant(name, gcfg, zero3_bucket_size, lr=1e-3,
+                               muon_fp32_matmul_prec=prec, muon_num_ns_steps=ns_steps,
+                               clip_grad=clip_grad, **overlap)
 
 
 def worker(cfg: dict, tp: int, optimizers: list, steps: int, warmup: int, prec: str,
@@ -126,6 +117,12 @@ def worker(cfg: dict, tp: int, optimizers: list, steps: int, warmup: int, prec: 
 
                 out[name]["error"] += "\n" + traceback.format_exc()[-3000:]
     times = {n: ([], [], []) for n in live}
+    from megatron_muon.megatron.zero3 import zero3s
+
+    def zero3_sent(model) -> int:  # bytes this rank sent in ZeRO-3's gathers / reductions
+        return sum(z.stats["gather_bytes"] + z.stats["reduce_bytes"] for z in zero3s(model))
+
+    sent_before = {n: zero3_sent(m) for n, (m, _) in live.items()}
     for step in range(warmup + steps):
         for name in list(live):
             model, optim = live[name]
@@ -166,7 +163,8 @@ def worker(cfg: dict, tp: int, optimizers: list, steps: int, warmup: int, prec: 
                "total_s": statistics.median(a + b for a, b in zip(st, fb)),
                # every timed step, in order (tools/bench_scaling.py takes its own statistics)
                "step_list": st, "fwd_bwd_list": fb, "step_cpu_list": cpu,
-               "memory": _memory_per_rank(model, optim)}
+               "memory": _memory_per_rank(model, optim),
+               "fwd_bwd_sent": (zero3_sent(model) - sent_before[name]) / (warmup + steps)}
         for sub in getattr(optim, "chained_optimizers", [optim]):
             if hasattr(sub, "dmuon_stats"):
                 s = sub.dmuon_stats()
@@ -232,6 +230,9 @@ def main(argv=None) -> int:
     p.add_argument("--zero3-bucket-size", type=int, default=1_000_000,
                    help="DDP bucket size (elements) of the dmuon_zero3 row: its gather unit")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--plot", default=None,
+                   help="also draw each variant's step (forward+backward, optimizer step; "
+                        "slowest rank) as stacked bars into this PNG")
     a = p.parse_args(argv)
 
     from megatron_muon.testing.launch import run_ranks
@@ -287,7 +288,7 @@ def main(argv=None) -> int:
               f"{ratio(st, lw[1]):>7s} {ratio(tot, adam[0]):>8s} {ratio(st, adam[1]):>8s} {1e3 * cpu:10.1f} {ovs:>42s}")
     print()
     print(f"{'optimizer':24s} {'step ms':>9s} {'vs dmuon':>9s} {'naive/x':>8s} {'fwd+bwd ms':>11s} "
-          f"{'sent KiB/r':>11s} {'recv KiB/r':>11s} {'state KiB/r':>12s} "
+          f"{'sent KiB/r':>11s} {'recv KiB/r':>11s} {'fwd+bwd KiB/r':>14s} {'state KiB/r':>12s} "
           f"{'mem: params':>12s} {'grads':>8s} {'opt state':>10s} {'total':>8s} {'vs dmuon':>9s} "
           f"{'transient':>10s} KiB/rank (max)")
     for name in opts:
@@ -298,6 +299,7 @@ def main(argv=None) -> int:
         fb = max(r[name]["fwd_bwd_s"] for r in res)
         sent = max(r[name].get("sent", 0) for r in res) / 1024
         recv = max(r[name].get("received", 0) for r in res) / 1024
+        fb_sent = max(r[name].get("fwd_bwd_sent", 0) for r in res) / 1024
         state = max(r[name].get("state", 0) for r in res) / 1024
         rel = f"{step / base:8.2f}x" if base else "      -"
         nv = f"{naive / step:7.2f}x" if naive else "     -"
@@ -306,7 +308,7 @@ def main(argv=None) -> int:
         total = max(sum(r[name]["memory"][k] for k in ("params", "grads", "state")) for r in res)
         mrel = f"{total / base_mem:8.2f}x" if base_mem else "      -"
         print(f"{name:24s} {1e3 * step:9.1f} {rel:>9s} {nv:>8s} {1e3 * fb:11.1f} {sent:11.1f} "
-              f"{recv:11.1f} {state:12.1f} {mem['params']:12.0f} {mem['grads']:8.0f} "
+              f"{recv:11.1f} {fb_sent:14.1f} {state:12.1f} {mem['params']:12.0f} {mem['grads']:8.0f} "
               f"{mem['state']:10.0f} {total / 1024:8.0f} {mrel:>9s} {mem['transient']:10.0f}")
     if "dmuon_zero3" in res[0] and "error" not in res[0]["dmuon_zero3"]:
         rows = [r["dmuon_zero3"]["memory"] for r in res]
@@ -330,7 +332,29 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(res, fh, indent=1)
+    if a.plot:
+        _plot(res, [o for o in opts if "error" not in res[0].get(o, {"error": 1})], a.plot,
+              f"{a.nproc} ranks (TP{a.tp} x DP{dp}), {a.num_layers} x {a.hidden_size} GPT")
     return 0
+
+
+def _plot(res, names, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fb = [1e3 * max(r[n]["fwd_bwd_s"] for r in res) for n in names]
+    st = [1e3 * max(r[n]["step_s"] for r in res) for n in names]
+    fig, ax = plt.subplots(figsize=(1.2 * len(names) + 2, 3.5))
+    ax.bar(names, fb, label="forward + backward")
+    ax.bar(names, st, bottom=fb, label="optimizer step")
+    ax.set_ylabel("ms (median step, slowest rank)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    plt.setp(ax.get_xticklabels(), rotation=20, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -166,10 +166,18 @@ class DMuonOptimizerConfig(OptimizerConfig):
         "DP rank, no data-parallel bytes in the Muon step; build the model inside "
         "megatron_muon.megatron.matrix_placement).")
     dmuon_zero3: bool = setting(
-        False, "With --dmuon-placement matrix: ZeRO-3, each parameter stored only on its "
-        "owner DP rank, gathered bucket by bucket for forward and backward, gradients "
-        "reduce-scattered per bucket (needs --overlap-grad-reduce; the bucket is the gather "
-        "unit). --dmuon-overlap auto is off with it.")
+        False, "ZeRO-3: parameters gathered bucket by bucket for forward and backward, "
+        "gradients reduce-scattered per bucket (needs --overlap-grad-reduce; the bucket is the "
+        "gather unit). With --dmuon-placement matrix (MatrixFSDP) each parameter is stored "
+        "only on its owner DP rank and the Muon step is local; with the default placement "
+        "each rank stores its even 1/DP slice of every bucket (with --optimizer muon_naive: "
+        "the reconstruction baseline, which gathers every matrix in the step). "
+        "--dmuon-overlap auto is off with it.")
+    dmuon_zero3_prefetch: bool = setting(
+        True, "With --dmuon-zero3: start gathering the bucket used next (in the forward, and "
+        "in the backward) while the current one computes; at most two buckets are gathered "
+        "at a time. --dmuon-no-zero3-prefetch: one bucket at a time, gathered when needed.",
+        aliases={"--dmuon-no-zero3-prefetch": False})
     dmuon_tp_mode: TPMode = setting(
         "exact", "exact: Newton-Schulz on whole (TP-unsharded) units, TP-invariant; "
         "blockwise: on each TP rank's shard separately (Megatron's muon_tp_mode=blockwise), "
@@ -455,10 +463,18 @@ def check_dmuon_settings(get: Callable[[str], Any], *, cli: bool,
         except (re.error, TypeError) as err:
             fail(f"{N('dmuon_adam_params')} {regex!r} is not a valid regular expression: {err}")
     if get("dmuon_zero3"):
-        if optimizer != "dmuon" or get("dmuon_placement") != "matrix":
+        # MatrixFSDP (dmuon + matrix), or even shards: the reconstruction baseline
+        # (muon_naive: every rank gathers every matrix) or DMuon's owners on even shards
+        combos = (("dmuon", "matrix"), ("dmuon", "dmuon"), ("muon_naive", "dmuon"))
+        if (optimizer, get("dmuon_placement")) not in combos:
             got = s.both(("optimizer", optimizer), ("dmuon_placement", get("dmuon_placement")))
-            fail(f"{s.set('dmuon_zero3', True)} needs "
-                 f"{s.both(('optimizer', 'dmuon'), ('dmuon_placement', 'matrix'))} (got {got})")
+            want = " or ".join(s.both(("optimizer", o), ("dmuon_placement", pl))
+                               for o, pl in combos)
+            fail(f"{s.set('dmuon_zero3', True)} needs {want} (got {got})")
+        if get("dmuon_placement") != "matrix" and get("sequence_parallel"):
+            fail(f"{s.set('dmuon_zero3', True)} with even shards "
+                 f"({s.set('dmuon_placement', 'dmuon')}) does not support "
+                 f"{N('sequence_parallel')}: use {s.set('dmuon_placement', 'matrix')}")
         if _overlap_mode(get("dmuon_overlap")) == "on":
             fail(f"{s.set('dmuon_overlap', 'on')} does not work with "
                  f"{s.set('dmuon_zero3', True)}: ZeRO-3's Muon step has no data-parallel "

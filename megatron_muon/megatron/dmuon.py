@@ -70,17 +70,104 @@ class _SubsetMixin:
 
         return bool(zero3s(self.model_chunks))
 
+    @functools.cached_property
+    def _even_zero3(self) -> dict:
+        """{model param: its ZeRO-3 bucket} under even shards (zero3.py's reconstruction
+        layout, where no parameter has storage between its uses and this rank's slice of a
+        bucket is the bucket's ``pshard``); empty otherwise."""
+        from megatron_muon.megatron.zero3 import zero3s
+
+        return {p: zb for z in zero3s(self.model_chunks) if z.even
+                for p, zb in z.bucket_of.items()}
+
+    def _even_slice(self, model_param, ranges=None) -> slice:
+        ranges = ranges or self._get_model_param_range_map(model_param)
+        w = ranges["gbuf_world_in_bucket"]
+        return self._even_zero3[model_param].shard_range(w.start, w.end)
+
     def _model_shard(self, model_param) -> torch.Tensor:
         """Where this rank's slice of ``model_param`` is published after the step: the DP
         shard of its bucket's param buffer (all-gathered after the step), or under ZeRO-3
-        the owned parameter itself (which nothing needs to gather)."""
+        the owned parameter itself or, with even shards, its slice of the bucket's stored
+        shard (which nothing needs to gather)."""
         if self.zero3:
+            zb = self._even_zero3.get(model_param)
+            if zb is not None:
+                return zb.pshard[self._even_slice(model_param)]
             r = self._get_model_param_range_map(model_param)["param"]
             return model_param.detach().view(-1)[r.start: r.end]
         world_range = self._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
         gbuf_index, _, bucket_id = self.model_param_gbuf_map[model_param]
         buf = self.buffers[gbuf_index].buckets[bucket_id].param_data
         return buf.view(-1)[world_range.start: world_range.end]
+
+    def _main_groups(self):
+        """(model params, their shard main params) group by group, fp16/bf16 then fp32."""
+        return ((self.model_float16_groups, self.shard_fp32_from_float16_groups),
+                (self.model_fp32_groups, self.shard_fp32_groups))
+
+    def _build_model_and_main_param_groups(self, gbuf_ranges, param_gbuf_map, opt_group_ranges,
+                                           config):
+        """Megatron's (a classmethod there); under even-shard ZeRO-3 the parameters have no
+        storage here, so it runs with the buckets gathered (the fp16 main params are copies of
+        the gathered values) and the model-shard views it takes (the fp32 main params
+        themselves) are re-pointed from the gather buffer at the stored shard."""
+        build = super()._build_model_and_main_param_groups
+        even = self._even_zero3
+        if not even:
+            return build(gbuf_ranges, param_gbuf_map, opt_group_ranges, config)
+        if getattr(config, "use_precision_aware_optimizer", False):
+            raise ValueError("ZeRO-3 with even shards does not support "
+                             "use_precision_aware_optimizer")
+        from megatron.core import tensor_parallel
+
+        from megatron_muon.megatron.zero3 import gathered_params
+
+        with gathered_params(self.model_chunks):
+            groups = build(gbuf_ranges, param_gbuf_map, opt_group_ranges, config)
+        model16, model32, shard16, shard32, _ = groups
+        moved = {}
+        for models, views in ((model16, shard16), (model32, shard32)):
+            for model_group, view_group in zip(models, views):
+                for i, model in enumerate(model_group):
+                    gi, dtype, bid = param_gbuf_map[model]
+                    where = self._even_slice(model, gbuf_ranges[gi][dtype][bid]["param_map"][model])
+                    view = even[model].pshard[where]
+                    tensor_parallel.copy_tensor_model_parallel_attributes(view, model)
+                    if hasattr(model, "shared"):
+                        view.shared = model.shared
+                    moved[id(view_group[i])] = view
+                    view_group[i] = view
+        for g in opt_group_ranges:
+            g["orig_group"]["params"] = [moved.get(id(p), p) for p in g["orig_group"]["params"]]
+        return groups
+
+    @torch.no_grad()
+    def _copy_model_grads_to_main_grads(self):
+        """Under even-shard ZeRO-3 a parameter has no whole gradient after its bucket's
+        reduce-scatter: its shard main param's gradient is its slice of the bucket's stored
+        gradient shard."""
+        if not self._even_zero3 or self.is_stub_optimizer:
+            return super()._copy_model_grads_to_main_grads()
+        for models, mains in self._main_groups():
+            for model_group, main_group in zip(models, mains):
+                for model, main in zip(model_group, main_group):
+                    zb = self._even_zero3[model]
+                    main.grad = zb.gshard[self._even_slice(model)].float()
+
+    @torch.no_grad()
+    def _copy_model_params_to_main_params(self, state_dict=None):
+        if not self._even_zero3 or self.is_stub_optimizer:
+            return super()._copy_model_params_to_main_params(state_dict)
+        if state_dict is not None:
+            raise NotImplementedError("ZeRO-3 with even shards cannot initialise the main "
+                                      "params from a state dict's model weights")
+        for models, mains in self._main_groups():
+            for model_group, main_group in zip(models, mains):
+                for model, main in zip(model_group, main_group):
+                    src = self._model_shard(model)
+                    if src.data_ptr() != main.data_ptr():  # fp32: the main param is the shard
+                        main.copy_(src)
 
     @torch.no_grad()
     def _copy_main_params_to_model_params(self):

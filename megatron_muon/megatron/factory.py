@@ -72,7 +72,8 @@ def build_dmuon_optimizer(config, model_chunks, config_overrides=None,
     if config.dmuon_zero3:
         from megatron_muon.megatron.zero3 import shard_model
 
-        shard_model(model_chunks)
+        shard_model(model_chunks, even=config.dmuon_placement != "matrix",
+                    prefetch=config.dmuon_zero3_prefetch)
     names = {}
     for chunk in model_chunks:
         for name, p in chunk.named_parameters():

@@ -1,4 +1,4 @@
-"""MatrixFSDP ZeRO-3 on Megatron DDP: parameters sharded whole-matrix over data parallel.
+"""ZeRO-3 on Megatron DDP: MatrixFSDP (whole matrices over data parallel) or even shards.
 
 Built on Megatron's DDP buffers laid out by ``matrix_placement`` with ``whole=True`` (every
 parameter, matrix or not, lies whole inside one DP rank's shard of its bucket).  Then:
@@ -28,6 +28,16 @@ registered with ``megatron_muon.megatron.hooks`` (so the trace and the overlap s
 effective behaviour): bucket groups (``register_grad_ready``, ``start/finish_grad_sync``,
 ``start/finish_param_sync``, ``reset``) and buffers (``reset``, ``scale_gradients``);
 ``MatrixZeRO3.remove()`` takes them back (the sharded storage stays).
+
+Even shards (``shard_model(..., even=True)``; ``dmuon_zero3`` with the default placement):
+the same machinery on Megatron's own buffer layout, where every rank stores its 1/DP slice of
+every bucket (``pshard`` = the bucket's DP shard) and no parameter is stored whole anywhere.
+With ``optimizer='muon_naive'`` this is the reconstruction baseline MatrixFSDP is measured
+against: the step gathers every matrix on every rank, orthogonalises it and keeps its slice.
+The distributed optimizer reads its gradient and writes its parameter slices through
+``pshard`` / ``gshard`` (``dmuon._SubsetMixin``); checkpoints gather the buckets (DP rank 0
+writes Megatron's replicas, each rank keeps its slice of what it loads).  No sequence
+parallelism with even shards (the TP all-reduce of layer-norm gradients needs whole ones).
 
 Limits: one distributed-optimizer instance, no FP8 / MXFP8 / NVFP4 params, no Megatron-FSDP,
 no MoE expert buffers (dense buffers only); activation recomputation is untested.
@@ -68,25 +78,30 @@ def _alloc(t: torch.Tensor) -> bool:
 class _Bucket:
     """One DDP bucket under ZeRO-3: persistent owned shards + transient full buffers."""
 
-    def __init__(self, zero3: "MatrixZeRO3", bucket, bucket_group, start: int):
+    def __init__(self, zero3: "MatrixZeRO3", bucket, bucket_group, start: int, even: bool):
         self.z = zero3
         self.bucket = bucket
         self.bucket_group = bucket_group
         self.group = bucket_group.intra_distributed_optimizer_instance_group
         self.world = bucket_group.intra_distributed_optimizer_instance_size
         self.rank = bucket_group.intra_distributed_optimizer_instance_rank
+        self.even = even  # Megatron's even shards (the reconstruction layout), not whole
         numel = bucket.grad_data.numel()
         if numel % self.world:
             raise ValueError(f"bucket of {numel} elements does not split into {self.world} shards")
         self.shard = numel // self.world
-        lo, hi = self.rank * self.shard, (self.rank + 1) * self.shard
+        self.lo = lo = self.rank * self.shard
+        hi = lo + self.shard
         self.params = list(bucket.params_list)
         self.owned, self.others = [], []
-        used = 0
+        used = self.shard if even else 0
         for p in self.params:
             s = self.z.buffer_of[p].param_index_map[p][0] - start  # within the bucket
             e = s + p.numel()
             owner = s // self.shard
+            if even:
+                self.others.append((p, s))  # every parameter lives in the gather buffer
+                continue
             if (e - 1) // self.shard != owner:
                 raise ValueError(
                     f"ZeRO-3: parameter {self.z.names.get(p, '?')} ({tuple(p.shape)}) crosses a "
@@ -101,8 +116,10 @@ class _Bucket:
         self.used = used
         param_data, grad_data = bucket.param_data, bucket.grad_data
         dev = grad_data.device
-        # persistent: the owned parameters and their reduced gradients
-        self.pshard = torch.zeros(used, dtype=param_data.dtype, device=dev)
+        # persistent: the owned parameters (whole, or this rank's even slice of the bucket)
+        # and their reduced gradients
+        self.pshard = param_data[lo: lo + used].detach().clone() if even else \
+            torch.zeros(used, dtype=param_data.dtype, device=dev)
         self.gshard = torch.zeros(used, dtype=grad_data.dtype, device=dev)
         # transient: the gathered bucket and its unreduced gradients
         self.pfull = param_data.detach().clone()
@@ -126,21 +143,59 @@ class _Bucket:
         self.fwd_done: set = set()
         self.ready: set = set()
         self.accumulated = False  # gshard holds this step's earlier microbatches
+        self.pending = None  # (work, send buffer) of a prefetch in flight
         _free(self.pfull)
         _free(self.gfull)
 
+    def shard_range(self, start: int, end: int) -> slice:
+        """Where the bucket range [start, end) (a DP shard's part of a parameter, as
+        Megatron's ``gbuf_world_in_bucket``) lies in this rank's ``pshard`` / ``gshard``
+        (even shards only)."""
+        if not (self.even and self.lo <= start <= end <= self.lo + self.shard):
+            raise ValueError(f"range [{start}, {end}) is not in this rank's shard "
+                             f"[{self.lo}, {self.lo + self.shard})")
+        return slice(start - self.lo, end - self.lo)
+
     # -- parameters ----------------------------------------------------------------------
     @torch.no_grad()
-    def gather(self) -> None:
+    def gather(self, async_op: bool = False) -> bool:
+        """Materialise the bucket; ``async_op``: only start the all-gather (a prefetch),
+        which the next ``gather`` or ``release`` waits for.  False if it was already
+        gathered (or, with ``async_op``, already being gathered)."""
+        if self.pending is not None:
+            if not async_op:
+                self.wait()
+            return not async_op
         if not _alloc(self.pfull):
-            return
-        send = torch.zeros(self.shard, dtype=self.pshard.dtype, device=self.pshard.device)
-        send[: self.used].copy_(self.pshard)
-        dist.all_gather_into_tensor(self.pfull, send, group=self.group)
-        self.z.stats["gathers"] += 1
+            return False
+        if self.used == self.shard:
+            send = self.pshard
+        else:
+            send = torch.zeros(self.shard, dtype=self.pshard.dtype, device=self.pshard.device)
+            send[: self.used].copy_(self.pshard)
+        work = dist.all_gather_into_tensor(self.pfull, send, group=self.group, async_op=async_op)
+        if async_op:
+            self.pending = (work, send)  # the send buffer lives until the gather is done
+            self.z.stats["prefetches"] += 1
+        self.z.count("gathers", self.pfull)
+        return True
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.pending[0].wait()
+            self.pending = None
 
     def release(self) -> None:
+        self.wait()  # a prefetch still reads pshard and writes pfull
         _free(self.pfull)
+
+    @torch.no_grad()
+    def keep_gathered_values(self) -> None:
+        """Even shards: take this rank's slice of the gathered bucket back into ``pshard``
+        (after something wrote the gathered parameters, e.g. a checkpoint load)."""
+        self.wait()
+        if self.even and self.pfull.untyped_storage().size() > 0:
+            self.pshard.copy_(self.pfull[self.lo: self.lo + self.shard])
 
     # -- gradients -----------------------------------------------------------------------
     def point_grads_to_full(self) -> None:
@@ -179,7 +234,7 @@ class _Bucket:
         self.ready.clear()
         _free(self.gfull)
         self.release()  # every use of these parameters in this backward is done
-        self.z.stats["reductions"] += 1
+        self.z.count("reductions", self.gfull)
 
     def check_grads(self, check_for_nan_or_inf: bool, check_for_large: bool) -> None:
         """Megatron's pre-reduction gradient check (``_ParamAndGradBucketGroup.check_grads``)
@@ -215,7 +270,7 @@ class _Bucket:
 class MatrixZeRO3:
     """ZeRO-3 state of one Megatron DDP model chunk (see the module docstring)."""
 
-    def __init__(self, ddp_model):
+    def __init__(self, ddp_model, even: bool = False, prefetch: bool = True):
         ddp = ddp_model.ddp_config
         if not ddp.use_distributed_optimizer:
             raise ValueError("ZeRO-3 shards the distributed optimizer's buffers: set "
@@ -244,9 +299,23 @@ class MatrixZeRO3:
                 raise ValueError("ZeRO-3 with embeddings tied to the output layer needs "
                                  "pipeline parallel size 1 (untie them: "
                                  "--untie-embeddings-and-output-weights)")
+        if even and getattr(self.model.config, "sequence_parallel", False):
+            # finalize_model_grads all-reduces the layer norms' main_grad over TP; with even
+            # shards no rank has a parameter's whole gradient after the reduce-scatter
+            raise ValueError("ZeRO-3 with even shards (the reconstruction baseline) does not "
+                             "support sequence parallelism; use --dmuon-placement matrix")
         self.ddp = ddp_model
         self.ddp_config = ddp
-        self.stats = {"gathers": 0, "reductions": 0}
+        # prefetch: while a bucket's modules compute, the bucket used after it (in the
+        # forward, or the backward) is already being gathered; at most two are gathered
+        self.prefetch = prefetch
+        self.forward_order: list = []
+        self.backward_order: list = []
+        self._position = {id(self.forward_order): {}, id(self.backward_order): {}}
+        # collectives and the bytes each sends from this rank (a ring all-gather or
+        # reduce-scatter of a bucket of n elements over W ranks sends (W - 1) n / W of them)
+        self.stats = {"gathers": 0, "reductions": 0, "gather_bytes": 0, "reduce_bytes": 0,
+                      "prefetches": 0}  # gathers started ahead of their use
         self.names = {p: n for n, p in ddp_model.module.named_parameters()}
         self.buffer_of = {}
         self.buckets: list[_Bucket] = []
@@ -262,7 +331,8 @@ class MatrixZeRO3:
                 if list(getattr(bucket, "params_with_extra_main_grads", [])):
                     raise ValueError("ZeRO-3 does not support separate high-precision main grads")
                 buf = self.buffer_of[bucket.params_list[0]]
-                zb = _Bucket(self, bucket, bg, buf.bucket_indices[bucket.bucket_id][0])
+                zb = _Bucket(self, bucket, bg, buf.bucket_indices[bucket.bucket_id][0],
+                             even=even)
                 self.buckets.append(zb)
                 for p in zb.params:
                     self.bucket_of[p] = zb
@@ -278,6 +348,18 @@ class MatrixZeRO3:
             self._override(bg)
         self._install_hooks()
         ddp_model.matrix_zero3 = self
+
+    @property
+    def even(self) -> bool:
+        """Megatron's even shards (every rank a slice of every parameter: the reconstruction
+        baseline's layout) rather than whole parameters on their owners."""
+        return bool(self.buckets) and self.buckets[0].even
+
+    def count(self, kind: str, full: torch.Tensor) -> None:
+        world = self.buckets[0].world
+        self.stats[kind] += 1
+        key = {"gathers": "gather_bytes", "reductions": "reduce_bytes"}[kind]
+        self.stats[key] += (world - 1) * full.numel() * full.element_size() // world
 
     # -- Megatron overrides -----------------------------------------------------------------
     def _replace(self, obj, name: str, fn) -> None:
@@ -369,17 +451,34 @@ class MatrixZeRO3:
             return [w] if w is not None and w in self.bucket_of else []
         return []
 
-    @staticmethod
-    def _pre_forward(zbs):
+    def _use(self, zbs, order: list) -> None:
+        """Gather ``zbs`` for their use now; with prefetch, start the all-gather of the bucket
+        that came next in ``order`` (the order of first use in an earlier forward or
+        backward of this chunk, recorded here) so it runs while these compute."""
+        for zb in zbs:
+            fresh = zb.gather()
+            if not (self.prefetch and fresh):
+                continue  # a bucket still gathered (tied weights) prefetches nothing
+            if zb not in self._position[id(order)]:
+                self._position[id(order)][zb] = len(order)
+                order.append(zb)
+            i = self._position[id(order)][zb] + 1
+            if i < len(order):
+                order[i].gather(async_op=True)
+
+    def _pre_forward(self, zbs):
         def hook(module, args):
-            for zb in zbs:
-                zb.gather()
+            if _in_backward():  # activation recompute: the forward order does not apply
+                for zb in zbs:
+                    zb.gather()
+            else:
+                self._use(zbs, self.forward_order)
         return hook
 
     def _post_forward(self, module, zbs):
         def pre_backward(grad):
+            self._use(zbs, self.backward_order)
             for zb in zbs:
-                zb.gather()
                 zb.ensure_grad_buffer()
             return grad
 
@@ -413,6 +512,10 @@ class MatrixZeRO3:
         for zb in self.buckets:
             zb.release()
 
+    def keep_gathered_values(self) -> None:
+        for zb in self.buckets:
+            zb.keep_gathered_values()
+
     def memory(self) -> dict:
         """Bytes this rank holds between steps, and the largest transient bucket."""
         params = sum(zb.pshard.numel() * zb.pshard.element_size() for zb in self.buckets)
@@ -423,11 +526,19 @@ class MatrixZeRO3:
                          + zb.gfull.numel() * zb.gfull.element_size() for zb in self.buckets),
                         default=0)
         return dict(params=params, grads=grads, model_params=model, model_grads=gmodel,
-                    largest_bucket=transient, world=self.buckets[0].world if self.buckets else 1)
+                    largest_bucket=transient, world=self.buckets[0].world if self.buckets else 1,
+                    buckets=len(self.buckets))
 
     def owns(self, p) -> bool:
+        """Whether this rank stores ``p`` whole (never, with even shards)."""
         zb = self.bucket_of.get(p)
         return zb is not None and p in zb.shard_grads
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (a recomputed forward)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 def _copy_views_of(output, storages: set):
@@ -464,21 +575,35 @@ def zero3s(model_chunks) -> list:
     return [z for z in map(zero3_of, model_chunks) if z is not None]
 
 
-def shard_model(model_chunks) -> list:
-    """Convert matrix-placed (whole-parameter) DDP chunks to ZeRO-3; idempotent."""
+def shard_model(model_chunks, even: bool = False, prefetch: bool = True) -> list:
+    """Convert DDP chunks to ZeRO-3; idempotent.  ``even=False`` (MatrixFSDP): the chunks are
+    matrix-placed with whole parameters and each parameter is stored on its owner only;
+    ``even=True`` (the reconstruction baseline): Megatron's own even layout, each rank
+    stores its 1/DP slice of every bucket.  ``prefetch``: gather the next bucket while the
+    current one computes (``MatrixZeRO3``)."""
     out = []
     for chunk in model_chunks:
         z = zero3_of(chunk)
         if z is None:
-            if not all(getattr(b, "matrix_whole", False) for b in chunk.buffers):
+            whole = [bool(getattr(b, "matrix_whole", False)) for b in chunk.buffers]
+            if not even and not all(whole):
                 raise ValueError(
                     "dmuon_zero3=True: build the DDP model with "
                     "megatron_muon.megatron.matrix_placement.matrix_placement_for(config).ddp(...) "
                     "(or inside `with matrix_placement_for(config):`) with "
                     "dmuon_placement='matrix' and dmuon_zero3=True (every parameter whole on one "
                     "data-parallel rank)")
-            z = MatrixZeRO3(chunk)
+            if even and any(getattr(b, "matrix_layout", None) is not None or w
+                            for b, w in zip(chunk.buffers, whole)):
+                raise ValueError("dmuon_zero3=True with dmuon_placement='dmuon' (even shards) "
+                                 "needs Megatron's own buffer layout, but the model was built "
+                                 "under matrix placement: set dmuon_placement='matrix' or "
+                                 "build the model without it")
+            z = MatrixZeRO3(chunk, even=even, prefetch=prefetch)
             _wrap_state_dict(chunk)
+        elif z.even != even:
+            raise ValueError(f"the model is already sharded for ZeRO-3 with "
+                             f"{'even' if z.even else 'whole-parameter'} shards")
         out.append(z)
     return out
 
@@ -488,8 +613,11 @@ def _wrap_state_dict(chunk) -> None:
     and stay so until the next release (next forward, zero_grad_buffer or optimizer step);
     inside ``owner_only`` (checkpoints) the sharded state dict and the load see each rank's
     own parameters only, nothing gathered."""
-    inner = chunk.module
     z = zero3_of(chunk)
+    # the innermost model (under DDP and, with --bf16 / --fp16, Float16Module): Megatron-LM
+    # main's save_checkpoint calls the unwrapped model's sharded_state_dict, which bypasses
+    # the wrappers (with bf16 the save read freed gather buffers: SIGSEGV)
+    inner = z.model
     z.owner_only = False
 
     def gather_unless_owner_only():
@@ -499,6 +627,8 @@ def _wrap_state_dict(chunk) -> None:
     z.registrations.append(hooks.before(inner, "state_dict", z.gather_all))
     for name in ("sharded_state_dict", "load_state_dict"):
         z.registrations.append(hooks.before(inner, name, gather_unless_owner_only))
+    if z.even:  # the load wrote the gathered buckets: keep this rank's slices of them
+        z.registrations.append(hooks.after(inner, "load_state_dict", z.keep_gathered_values))
 
 
 def _storage_of(entry) -> Optional[int]:
@@ -515,6 +645,8 @@ def _storages(model_chunks) -> tuple:
     owned parameter is a view of its bucket's ``pshard``, any other of its gather buffer."""
     owned, others = set(), set()
     for z in zero3s(model_chunks):
+        if z.even:  # Megatron's own replicas: DP rank 0 writes, every rank reads
+            continue
         for zb in z.buckets:
             owned.add(zb.pshard.untyped_storage()._cdata)
             others.add(zb.pfull.untyped_storage()._cdata)
@@ -522,7 +654,7 @@ def _storages(model_chunks) -> tuple:
 
 
 def _zero3_params(model_chunks) -> int:
-    return sum(len(zb.params) for z in zero3s(model_chunks) for zb in z.buckets)
+    return sum(len(zb.params) for z in zero3s(model_chunks) if not z.even for zb in z.buckets)
 
 
 def mark_owner_replicas(model_chunks, sharded_state_dict) -> int:
@@ -576,16 +708,23 @@ def owner_only(model_chunks):
     built from the parameters as they are (``mark_owner_replicas`` then makes each owner
     write its own; ``drop_non_owned`` makes each rank read only its own), and
     ``load_state_dict`` does not gather either.  No rank materialises the stage.  No-op
-    without ZeRO-3."""
+    without ZeRO-3.  With even shards (no rank holds a whole parameter) the buckets are
+    gathered instead, as Megatron's ZeRO-1 buffers are: DP rank 0 writes, every rank
+    reads and keeps its slice (``_wrap_state_dict``)."""
     zs = zero3s(model_chunks)
     for z in zs:
-        z.release_all()  # non-owned parameters hold no data
-        z.owner_only = True
+        if z.even:
+            z.gather_all()
+        else:
+            z.release_all()  # non-owned parameters hold no data
+            z.owner_only = True
     try:
         yield
     finally:
         for z in zs:
             z.owner_only = False
+            if z.even:
+                z.release_all()
 
 
 @contextlib.contextmanager

@@ -13,7 +13,47 @@ from megatron_muon.megatron.config import make_optimizer_config
 from megatron_muon.testing.gpt import (TinyGPTConfig, build_gpt, full_named_params, global_param_name, init_parallel,
                   layout_ranks, train_step)
 
-__all__ = ["train_megatron", "train_variants", "make_optimizer_config", "constant_scheduler"]
+__all__ = ["train_megatron", "train_variants", "make_optimizer_config", "constant_scheduler",
+           "BENCH_VARIANTS", "build_bench_variant"]
+
+# The benchmarks' variants (tools/bench_optimizer.py, tools/bench_memory.py):
+# name -> (optimizer, dmuon_placement, dmuon_zero3, other settings).  'recon_zero3' is the
+# reconstruction baseline: ZeRO-3 on Megatron's even shards, every matrix gathered on every
+# rank in the step; '*_sync': ZeRO-3 without prefetch (each bucket gathered at its use).
+_SYNC = {"dmuon_zero3_prefetch": False}
+BENCH_VARIANTS = {
+    "adam": ("adam", "dmuon", False, {}),
+    "muon_naive": ("muon_naive", "dmuon", False, {}),
+    "dmuon": ("dmuon", "dmuon", False, {}),
+    "dmuon_noov": ("dmuon", "dmuon", False, {}),
+    "dmuon_matrix": ("dmuon", "matrix", False, {}),
+    "dmuon_zero3": ("dmuon", "matrix", True, {}),
+    "dmuon_zero3_sync": ("dmuon", "matrix", True, _SYNC),
+    "recon_zero3": ("muon_naive", "dmuon", True, {}),
+    "recon_zero3_sync": ("muon_naive", "dmuon", True, _SYNC),
+}
+
+
+def build_bench_variant(name: str, gcfg, zero3_bucket_size: int, **settings):
+    """(model chunks, optimizer) of one of ``BENCH_VARIANTS`` on the GPT ``gcfg``: fp32
+    gradient reduction, Megatron's distributed optimizer, ZeRO-3 variants with buckets of
+    ``zero3_bucket_size`` elements (their gather unit); ``settings`` go to the config."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_muon.megatron.factory import get_megatron_optimizer
+
+    optimizer, placement, zero3, extra = BENCH_VARIANTS[name]
+    ocfg = make_optimizer_config(optimizer, dmuon_log_plan=False, dmuon_placement=placement,
+                                 dmuon_zero3=zero3, **extra, **settings)
+    layout = None
+    if placement == "matrix":
+        from megatron_muon.megatron.matrix_placement import matrix_placement_for
+
+        layout = matrix_placement_for(ocfg, log=False)
+    ddp = dict(overlap_grad_reduce=True, bucket_size=zero3_bucket_size) if zero3 else {}
+    model = build_gpt(gcfg, ddp_config=DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True, **ddp), placement=layout)
+    return model, get_megatron_optimizer(ocfg, model)
 
 
 def constant_scheduler(optimizer, ocfg):
