@@ -236,3 +236,30 @@ def test_documented_defaults_equal_the_configs():
     assert not wrong, f"docs/usage.md: documented default vs the config's: {wrong}"
     missing = sorted(f.name for f in cli_fields() if f.name not in rows)
     assert not missing, f"docs/usage.md's config-field table lacks {missing}"
+
+
+
+def test_even_zero3_refuses_sequence_parallel_on_the_command_line():
+    """The reconstruction baseline (ZeRO-3 on even shards) cannot reduce the layer norms'
+    sequence-parallel gradients (no rank holds a whole one), so the flags are refused before
+    training; with matrix placement the same flags pass."""
+    import argparse
+
+    from megatron_muon.megatron.arguments import (DMuonArgumentError, add_dmuon_args,
+                                                  validate_dmuon_args)
+
+    def parse(*argv):
+        p = argparse.ArgumentParser()
+        p.add_argument("--optimizer", default="dmuon")
+        p.add_argument("--use-distributed-optimizer", action="store_true")
+        p.add_argument("--overlap-grad-reduce", action="store_true")
+        p.add_argument("--sequence-parallel", action="store_true")
+        return add_dmuon_args(p).parse_args(
+            ["--use-distributed-optimizer", "--overlap-grad-reduce", "--sequence-parallel",
+             "--dmuon-zero3", *argv])
+
+    for opt in ("dmuon", "muon_naive"):
+        with pytest.raises(DMuonArgumentError, match="does not support --sequence-parallel"):
+            validate_dmuon_args(parse("--optimizer", opt))
+    args = parse("--dmuon-placement", "matrix")
+    assert validate_dmuon_args(args) is args

@@ -727,6 +727,23 @@ def test_zero3_clear_errors(ddp, placement, lr, match):
                        ddp=ddp, matrix_placement=placement), timeout=120)
 
 
+def test_even_zero3_refuses_a_model_built_under_matrix_placement():
+    """Even shards need Megatron's own buffer layout; buffers laid out by matrix placement
+    (``matrix_layout`` set) are refused before any bucket is built, and so is a model
+    without them under ``even=False`` (checked without ranks: the test is the layout
+    check, which runs first)."""
+    from types import SimpleNamespace
+
+    from megatron_muon.megatron.zero3 import shard_model
+
+    placed = SimpleNamespace(buffers=[SimpleNamespace(matrix_layout=object(), matrix_whole=True)])
+    with pytest.raises(ValueError, match="needs Megatron's own buffer layout"):
+        shard_model([placed], even=True)
+    plain = SimpleNamespace(buffers=[SimpleNamespace()])
+    with pytest.raises(ValueError, match="matrix_placement_for"):
+        shard_model([plain], even=False)
+
+
 # --------------------------------------------------------------------------- default precision
 # muon_fp32_matmul_prec's default, 'medium': Newton-Schulz in bf16, in DMuon and in the
 # reference alike (every other test here runs it in fp32, 'highest').

@@ -70,9 +70,9 @@ def _mcore_muon_config(base: dict, tp_mode: str):
                            clip_grad=base["clip_grad"])
 
 
-VARIANTS = ("adam", "muon_naive", "dmuon", "dmuon_noov", "dmuon_matrix", "dmuon_zero3",
-            "dmuon_zero3_sync", "recon_zero3", "recon_zero3_sync", "mcore_muon_duplicated",
-            "mcore_muon_blockwise")
+from megatron_muon.testing.workers import BENCH_VARIANTS  # noqa: E402
+
+VARIANTS = (*BENCH_VARIANTS, "mcore_muon_duplicated", "mcore_muon_blockwise")
 
 
 def _build(name: str, gcfg, prec: str, ns_steps: int, clip_grad: float, zero3_bucket_size: int):

@@ -116,9 +116,6 @@ class _SubsetMixin:
         even = self._even_zero3
         if not even:
             return build(gbuf_ranges, param_gbuf_map, opt_group_ranges, config)
-        if getattr(config, "use_precision_aware_optimizer", False):
-            raise ValueError("ZeRO-3 with even shards does not support "
-                             "use_precision_aware_optimizer")
         from megatron.core import tensor_parallel
 
         from megatron_muon.megatron.zero3 import gathered_params
@@ -173,10 +170,9 @@ class _SubsetMixin:
     def _copy_main_params_to_model_params(self):
         if not self.zero3:
             return super()._copy_main_params_to_model_params()
-        for mains, models in ((self.shard_fp32_from_float16_groups, self.model_float16_groups),
-                              (self.shard_fp32_groups, self.model_fp32_groups)):
-            for main_group, model_group in zip(mains, models):
-                for main, model in zip(main_group, model_group):
+        for models, mains in self._main_groups():
+            for model_group, main_group in zip(models, mains):
+                for model, main in zip(model_group, main_group):
                     dst = self._model_shard(model)
                     if dst.data_ptr() != main.data_ptr():  # fp32: the main param is the shard
                         dst.copy_(main)

@@ -97,11 +97,11 @@ class _Bucket:
         used = self.shard if even else 0
         for p in self.params:
             s = self.z.buffer_of[p].param_index_map[p][0] - start  # within the bucket
-            e = s + p.numel()
-            owner = s // self.shard
             if even:
                 self.others.append((p, s))  # every parameter lives in the gather buffer
                 continue
+            e = s + p.numel()
+            owner = s // self.shard
             if (e - 1) // self.shard != owner:
                 raise ValueError(
                     f"ZeRO-3: parameter {self.z.names.get(p, '?')} ({tuple(p.shape)}) crosses a "
@@ -309,9 +309,7 @@ class MatrixZeRO3:
         # prefetch: while a bucket's modules compute, the bucket used after it (in the
         # forward, or the backward) is already being gathered; at most two are gathered
         self.prefetch = prefetch
-        self.forward_order: list = []
-        self.backward_order: list = []
-        self._position = {id(self.forward_order): {}, id(self.backward_order): {}}
+        self.forward_order, self.backward_order = _UseOrder(), _UseOrder()
         # collectives and the bytes each sends from this rank (a ring all-gather or
         # reduce-scatter of a bucket of n elements over W ranks sends (W - 1) n / W of them)
         self.stats = {"gathers": 0, "reductions": 0, "gather_bytes": 0, "reduce_bytes": 0,
@@ -451,7 +449,7 @@ class MatrixZeRO3:
             return [w] if w is not None and w in self.bucket_of else []
         return []
 
-    def _use(self, zbs, order: list) -> None:
+    def _use(self, zbs, order: "_UseOrder") -> None:
         """Gather ``zbs`` for their use now; with prefetch, start the all-gather of the bucket
         that came next in ``order`` (the order of first use in an earlier forward or
         backward of this chunk, recorded here) so it runs while these compute."""
@@ -459,12 +457,9 @@ class MatrixZeRO3:
             fresh = zb.gather()
             if not (self.prefetch and fresh):
                 continue  # a bucket still gathered (tied weights) prefetches nothing
-            if zb not in self._position[id(order)]:
-                self._position[id(order)][zb] = len(order)
-                order.append(zb)
-            i = self._position[id(order)][zb] + 1
-            if i < len(order):
-                order[i].gather(async_op=True)
+            following = order.next_after(zb)
+            if following is not None:
+                following.gather(async_op=True)
 
     def _pre_forward(self, zbs):
         def hook(module, args):
@@ -535,6 +530,22 @@ class MatrixZeRO3:
         return zb is not None and p in zb.shard_grads
 
 
+class _UseOrder:
+    """The order in which a chunk's buckets are first used in one kind of pass."""
+
+    def __init__(self):
+        self.buckets: list = []
+        self.position: dict = {}
+
+    def next_after(self, zb) -> Optional["_Bucket"]:
+        """The bucket used after ``zb`` (None if none yet); records ``zb`` if it is new."""
+        if zb not in self.position:
+            self.position[zb] = len(self.buckets)
+            self.buckets.append(zb)
+        i = self.position[zb] + 1
+        return self.buckets[i] if i < len(self.buckets) else None
+
+
 def _in_backward() -> bool:
     """Whether autograd is running a backward pass on this thread (a recomputed forward)."""
     task = getattr(torch._C, "_current_graph_task_id", None)
@@ -585,16 +596,15 @@ def shard_model(model_chunks, even: bool = False, prefetch: bool = True) -> list
     for chunk in model_chunks:
         z = zero3_of(chunk)
         if z is None:
-            whole = [bool(getattr(b, "matrix_whole", False)) for b in chunk.buffers]
-            if not even and not all(whole):
+            if not even and not all(getattr(b, "matrix_whole", False) for b in chunk.buffers):
                 raise ValueError(
                     "dmuon_zero3=True: build the DDP model with "
                     "megatron_muon.megatron.matrix_placement.matrix_placement_for(config).ddp(...) "
                     "(or inside `with matrix_placement_for(config):`) with "
                     "dmuon_placement='matrix' and dmuon_zero3=True (every parameter whole on one "
                     "data-parallel rank)")
-            if even and any(getattr(b, "matrix_layout", None) is not None or w
-                            for b, w in zip(chunk.buffers, whole)):
+            if even and any(getattr(b, "matrix_layout", None) is not None
+                            for b in chunk.buffers):
                 raise ValueError("dmuon_zero3=True with dmuon_placement='dmuon' (even shards) "
                                  "needs Megatron's own buffer layout, but the model was built "
                                  "under matrix placement: set dmuon_placement='matrix' or "
