@@ -37,7 +37,7 @@ def mcore_version():
 # 30 minutes on 2 cores.  Entries are a file (all of it) or (file, test name or test id).
 SECONDARY_LANE = {
     "test_megatron_lm.py", "test_patch.py", "test_config.py", "test_groups.py", "test_hooks.py",
-    "test_islands.py", "test_production_flags.py", "test_cpu_mode.py",
+    "test_islands.py", "test_production_flags.py", "test_cpu_mode.py", "test_geometry.py",
     ("test_dmuon.py", "test_dmuon_equals_reference[tp2dp2]"),
     ("test_dmuon.py", "test_dmuon_equals_reference[pp2dp2]"),
     ("test_dmuon.py", "test_resume_is_bitwise_identical"),

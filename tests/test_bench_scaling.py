@@ -46,8 +46,16 @@ def test_smallest_point_writes_json_and_plot(tmp_path, capsys):
     assert r["measured"] > 0 and r["predicted"] > 0 and r["spread"][0] <= r["spread"][1]
     assert png.stat().st_size > 10_000
     capsys.readouterr()
-    assert bench_scaling.main(["--from-json", str(out)]) == 0
+    md = tmp_path / "s.md"
+    assert bench_scaling.main(["--from-json", str(out), "--markdown", str(md)]) == 0
     assert "muon_naive/dmuon opt" in capsys.readouterr().out
+    # the docs' tables: each cell is the measured median with the prediction beside it
+    adam = pt["results"]["adam"]
+    cell = f"{adam['measured']['opt_ms']:.0f} ({adam['predicted']['opt_ms']:.0f})"
+    lines = md.read_text().splitlines()
+    row = next(line for line in lines if line.startswith("| 2 | DP2 | "))
+    assert row.split(" | ")[2] == cell, row
+    assert sum(line.startswith("| 2 | DP2 |") for line in lines) == 3  # opt, total, ratios
 
 
 def test_point_names():

@@ -280,6 +280,64 @@ def print_table(doc: dict) -> None:
                             for prof in pt["profiles"]))
 
 
+COLUMNS = ("adam", "muon_naive", "dmuon", "mcore_muon_blockwise", "mcore_muon_duplicated")
+MD_RATIOS = (("muon_naive/dmuon opt", "naive / dmuon, opt step"),
+             ("muon_naive/dmuon opt_cpu", "naive / dmuon, opt CPU"),
+             ("dmuon/adam opt", "dmuon / adam, opt step"),
+             ("dmuon/adam total", "dmuon / adam, total"),
+             ("dmuon/mcore_muon_blockwise opt", "dmuon / blockwise, opt"),
+             ("dmuon/mcore_muon_duplicated opt", "dmuon / duplicated, opt"))
+
+
+def _fmt(ratio: float) -> str:
+    return f"{ratio:.1f}" if ratio >= 10 else f"{ratio:.2f}"  # three figures
+
+
+def markdown(doc: dict) -> str:
+    """The docs' three tables (optimizer step, total step, ratios) from a --json result."""
+    def lay(pt):
+        return f"TP{pt['tp']} x DP{pt['dp']}" if pt["tp"] > 1 else f"DP{pt['dp']}"
+
+    def cell(pt, name, key):
+        r = pt["results"].get(name)
+        if r is None:
+            return "= blockwise" if name == "mcore_muon_duplicated" else "-"
+        if "error" in r:
+            return "fails"
+        pv = r.get("predicted", {}).get(f"{key}_ms")
+        return f"{r['measured'][f'{key}_ms']:.0f} ({f'{pv:.0f}' if pv is not None else '-'})"
+
+    out = []
+    for key, title in (("opt", "`optimizer.step()`"), ("total", "Total step (forward + "
+                                                       "backward + optimizer step)")):
+        out += [f"{title}, ms, measured (predicted):", "",
+                "| N | layout | adam | muon_naive | dmuon | Megatron's Muon, blockwise | "
+                "Megatron's Muon, duplicated (exact) |", "|---|---|---|---|---|---|---|"]
+        out += [f"| {pt['n']} | {lay(pt)} | " + " | ".join(cell(pt, c, key) for c in COLUMNS)
+                + " |" for pt in doc["points"]]
+        out.append("")
+    out += ["Ratios, measured [block spread] (predicted):", "",
+            "| N | layout | " + " | ".join(t for _, t in MD_RATIOS) + " | load avg |",
+            "|---|---|" + "---|" * (len(MD_RATIOS) + 1)]
+    for pt in doc["points"]:
+        cells = []
+        for k, _ in MD_RATIOS:
+            r = pt["ratios"].get(k)
+            if r is None:
+                cells.append("-")
+                continue
+            c = _fmt(r["measured"])
+            if not k.endswith("opt_cpu"):
+                c += f" [{_fmt(r['spread'][0])}-{_fmt(r['spread'][1])}]"
+            if "predicted" in r:
+                c += f" ({_fmt(r['predicted'])})"
+            cells.append(c)
+        la = pt["load_avg"]
+        out.append(f"| {pt['n']} | {lay(pt)} | " + " | ".join(cells)
+                   + f" | {la[0]:.0f} -> {la[1]:.0f} |")
+    return "\n".join(out) + "\n"
+
+
 def _n_axis(ax, pts) -> None:
     from matplotlib.ticker import NullFormatter
 
@@ -418,6 +476,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="shorter calibration (tests)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write the plot here (.png)")
+    p.add_argument("--markdown", default=None,
+                   help="write the docs' tables (optimizer step, total step, ratios) here")
     p.add_argument("--from-json", default=None,
                    help="no run: read a --json file, predict again from its profiles, print "
                         "(and --plot)")
@@ -457,6 +517,9 @@ def main(argv=None) -> int:
     if a.plot:
         plot(doc, Path(a.plot))
         print(f"# wrote {a.plot}")
+    if a.markdown:
+        Path(a.markdown).write_text(markdown(doc))
+        print(f"# wrote {a.markdown}")
     return 0
 
 
