@@ -238,7 +238,6 @@ def test_documented_defaults_equal_the_configs():
     assert not missing, f"docs/usage.md's config-field table lacks {missing}"
 
 
-
 def test_even_zero3_refuses_sequence_parallel_on_the_command_line():
     """The reconstruction baseline (ZeRO-3 on even shards) cannot reduce the layer norms'
     sequence-parallel gradients (no rank holds a whole one), so the flags are refused before

@@ -235,6 +235,10 @@ def analyse(rec: dict, settings: dict) -> dict:
     return dict(results=out, ratios=ratios)
 
 
+def _layout(pt: dict, sep: str) -> str:
+    return f"TP{pt['tp']}{sep}DP{pt['dp']}" if pt["tp"] > 1 else f"DP{pt['dp']}"
+
+
 def print_table(doc: dict) -> None:
     s = doc["settings"]
     print(f"# scaling: GPT {s['num_layers']} x {s['hidden_size']} (ffn {s['ffn_hidden_size']}, "
@@ -249,7 +253,7 @@ def print_table(doc: dict) -> None:
            f"{'err':>7s} | {'opt cpu ms':>10s}")
     print(hdr)
     for pt in doc["points"]:
-        lay = f"TP{pt['tp']}xDP{pt['dp']}" if pt["tp"] > 1 else f"DP{pt['dp']}"
+        lay = _layout(pt, "x")
         for name, r in pt["results"].items():
             if "error" in r:
                 print(f"{pt['n']:2d} {lay:8s} {name:22s} fails: {r['error']}")
@@ -280,7 +284,7 @@ def print_table(doc: dict) -> None:
                             for prof in pt["profiles"]))
 
 
-COLUMNS = ("adam", "muon_naive", "dmuon", "mcore_muon_blockwise", "mcore_muon_duplicated")
+COLUMNS = tuple(DEFAULT_OPTIMIZERS.split(","))  # the tables' columns, in the header's order
 MD_RATIOS = (("muon_naive/dmuon opt", "naive / dmuon, opt step"),
              ("muon_naive/dmuon opt_cpu", "naive / dmuon, opt CPU"),
              ("dmuon/adam opt", "dmuon / adam, opt step"),
@@ -290,18 +294,17 @@ MD_RATIOS = (("muon_naive/dmuon opt", "naive / dmuon, opt step"),
 
 
 def _fmt(ratio: float) -> str:
-    return f"{ratio:.1f}" if ratio >= 10 else f"{ratio:.2f}"  # three figures
+    return f"{ratio:.1f}" if ratio >= 10 else f"{ratio:.2f}"  # two decimals, one from 10 up
 
 
 def markdown(doc: dict) -> str:
     """The docs' three tables (optimizer step, total step, ratios) from a --json result."""
-    def lay(pt):
-        return f"TP{pt['tp']} x DP{pt['dp']}" if pt["tp"] > 1 else f"DP{pt['dp']}"
-
     def cell(pt, name, key):
         r = pt["results"].get(name)
-        if r is None:
-            return "= blockwise" if name == "mcore_muon_duplicated" else "-"
+        if r is None:  # duplicated runs at TP > 1 only: at TP1 it is the blockwise mode
+            same = name == "mcore_muon_duplicated" and pt["tp"] == 1 and \
+                "mcore_muon_blockwise" in pt["results"]
+            return "= blockwise" if same else "-"
         if "error" in r:
             return "fails"
         pv = r.get("predicted", {}).get(f"{key}_ms")
@@ -313,8 +316,8 @@ def markdown(doc: dict) -> str:
         out += [f"{title}, ms, measured (predicted):", "",
                 "| N | layout | adam | muon_naive | dmuon | Megatron's Muon, blockwise | "
                 "Megatron's Muon, duplicated (exact) |", "|---|---|---|---|---|---|---|"]
-        out += [f"| {pt['n']} | {lay(pt)} | " + " | ".join(cell(pt, c, key) for c in COLUMNS)
-                + " |" for pt in doc["points"]]
+        out += [f"| {pt['n']} | {_layout(pt, ' x ')} | "
+                + " | ".join(cell(pt, c, key) for c in COLUMNS) + " |" for pt in doc["points"]]
         out.append("")
     out += ["Ratios, measured [block spread] (predicted):", "",
             "| N | layout | " + " | ".join(t for _, t in MD_RATIOS) + " | load avg |",
@@ -333,7 +336,7 @@ def markdown(doc: dict) -> str:
                 c += f" ({_fmt(r['predicted'])})"
             cells.append(c)
         la = pt["load_avg"]
-        out.append(f"| {pt['n']} | {lay(pt)} | " + " | ".join(cells)
+        out.append(f"| {pt['n']} | {_layout(pt, ' x ')} | " + " | ".join(cells)
                    + f" | {la[0]:.0f} -> {la[1]:.0f} |")
     return "\n".join(out) + "\n"
 
