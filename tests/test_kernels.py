@@ -157,6 +157,46 @@ def test_ns_in_workspace_is_bitwise_newton_schulz():
                                    dtype=torch.bfloat16)
 
 
+@pytest.mark.timeout(60)
+def test_ns_keeps_each_batch_shape_to_four_matmul_betas(monkeypatch):
+    """oneDNN (the CPU's 16-bit matmuls) keeps one compiled kernel per distinct beta of a
+    ``baddbmm`` for the process's life (~0.7 MiB each; docs/memory.md): per batch shape,
+    a per-step coefficient set may use at most 2 betas for each of its two products (the
+    rescaled iterate's 1 and the last step's), and a set that repeats one triple keeps
+    the plain step's (b and a).  Fails if the plain step (5 betas per product for quintic)
+    comes back.  And the rescaling is only a reassociation of scalars: in fp64 it is the
+    plain iteration (``ns_fp64``) within 1e-13 relative (the scalars are formed with a few
+    roundings of 2^-53 each and NS's per-step error slope is O(a) <= 9, so 8 steps grow
+    them to ~1e-14 at most)."""
+    from megatron_muon.core.newton_schulz import newton_schulz_in_workspace, ns_workspace_numel
+
+    calls = []
+    real = torch.baddbmm
+
+    def recording(inp, b1, b2, *, beta=1, alpha=1, out=None):
+        calls.append((tuple(b1.shape), tuple(b2.shape), float(beta)))
+        return real(inp, b1, b2, beta=beta, alpha=alpha, out=out)
+
+    monkeypatch.setattr(torch, "baddbmm", recording)
+    x = _input(2, 32, 96)
+    for name, steps, most in (("quintic", 5, 4), ("polar_express", 8, 4), ("simple", 5, 2)):
+        for run in ("reference", "workspace"):
+            calls.clear()
+            if run == "reference":
+                newton_schulz(x, steps=steps, coefficients=name, dtype=torch.bfloat16)
+            else:
+                ws = torch.empty(ns_workspace_numel(2, 32, 96), dtype=torch.bfloat16)
+                newton_schulz_in_workspace(x, ws, steps=steps, coefficients=name,
+                                           dtype=torch.bfloat16)
+            assert len(calls) == 2 * steps and len(set(calls)) <= most, (name, run, set(calls))
+    monkeypatch.setattr(torch, "baddbmm", real)
+    for name, steps in (("quintic", 5), ("polar_express", 8)):
+        for shape in ((3, 24, 56), (3, 56, 24)):
+            x = _input(*shape).double()
+            got = newton_schulz(x, steps=steps, coefficients=name, dtype=torch.float64)
+            assert _rel(got, ns_fp64(x, name, steps)) < 1e-13, (name, shape)
+
+
 def test_ns_function_offers_the_workspace_path_only_for_the_torch_standard_ns():
     """``compat.ns_function(cfg).in_workspace``: the owners' bounded-workspace NS where the
     call is the plain torch standard NS (bitwise equal to it), None where a tuner, Triton or

@@ -33,6 +33,7 @@ __all__ = [
     "default_gram_restart",
     "check_ns_method",
     "newton_schulz",
+    "ns_step_scalars",
     "ns_workspace_numel",
     "newton_schulz_in_workspace",
     "muon_scale",
@@ -125,6 +126,45 @@ def check_ns_method(method: str, gram_restart: Optional[int] = None) -> None:
         )
 
 
+
+def ns_step_scalars(coeffs: Sequence[tuple[float, float, float]],
+                  dtype: torch.dtype) -> list[tuple[float, float, float, float]]:
+    """Per step of standard NS, the scalars ``(beta_b, alpha_b, beta_x, alpha_x)`` of
+    ``B~ = beta_b G + alpha_b G G`` (``beta_b G`` when c = 0) and
+    ``Y' = beta_x Y + alpha_x B~ Y``, where G = Y Y^T and the stored iterate Y is the true
+    X divided by a scalar sigma that the scalars carry.
+
+    Why: the CPU runs 16-bit matmuls through oneDNN, which compiles and keeps one kernel
+    per distinct beta of a ``baddbmm`` (about 0.7 MiB each, for the process's life).  The
+    plain step (B = b A + c A A, X' = a X + B X) gives each step of a per-step coefficient
+    set two new betas: 11 kernels per batch shape for quintic's 5 steps.  Here every step
+    but the last stores Y' = X' / (a sigma), so its betas are 1:
+    B = b sigma^2 B~ with B~ = G + (c sigma^2 / b) G G, and
+    X' = a sigma (Y + (b sigma^2 / a) B~ Y); sigma <- a sigma.  The last step (and a step
+    with a = 0 or b = 0) returns to the true scale:
+    B~ = b sigma^2 G + c sigma^4 G G, X' = a sigma Y + sigma B~ Y.  4 kernels per batch
+    shape instead of 11, with the rounding of the plain step (one rounding per product,
+    the scalars applied inside it; docs/design.md#muon).  A set that repeats one triple
+    ('simple', 'cubic') keeps the plain step, which needs no more kernels (2 betas); so
+    does one step (sigma = 1: the same scalars) and float16: Y shrinks by the product of
+    the a's (about 450 for quintic) and fp16's range would lose it to underflow (bf16 and
+    fp32 share fp32's exponent range)."""
+    plain_kernels = len({b for _, b, c in coeffs if c != 0.0}) + len({a for a, _, _ in coeffs})
+    rescale = dtype != torch.float16 and plain_kernels > 4
+    out = []
+    sigma = 1.0
+    last = len(coeffs) - 1
+    for i, (a, b, c) in enumerate(coeffs):
+        s2 = sigma * sigma
+        if rescale and i < last and a != 0.0 and b != 0.0:
+            out.append((1.0, c * s2 / b, 1.0, b * s2 / a))
+            sigma *= a
+        else:
+            out.append((b * s2, c * s2 * s2, a * sigma, sigma))
+            sigma = 1.0
+    return out
+
+
 def newton_schulz(
     x: torch.Tensor,
     steps: int = 5,
@@ -137,7 +177,8 @@ def newton_schulz(
     """Approximate the orthogonal polar factor U V^T of ``x`` ([m, n] or [..., m, n]).
 
     X = x / (||x||_F + eps); tall inputs are transposed so that X X^T is the small Gram
-    matrix; per step A = X X^T (computed once), B = b A + c A A, X = a X + B X.
+    matrix; per step A = X X^T (computed once), B = b A + c A A, X = a X + B X (computed
+    on a rescaled X, ``ns_step_scalars``).
     ``dtype`` is the compute dtype (default: x's dtype, fp32 for anything below fp32 is
     *not* forced: pass ``torch.bfloat16`` explicitly to run in bf16).  The result has
     ``x``'s dtype and shape; leading dimensions are a batch of independent matrices.
@@ -166,10 +207,13 @@ def newton_schulz(
         restart = default_gram_restart(coefficients) if gram_restart is None else gram_restart
         X = _gram_iterations(X, coeffs, restart)
     else:
-        for a, b, c in coeffs:
+        for (_, _, c), (bb, cc, aa, alpha) in zip(coeffs, ns_step_scalars(coeffs, X.dtype)):
             A = torch.bmm(X, X.transpose(-2, -1))
-            B = torch.baddbmm(A, A, A, beta=b, alpha=c) if c != 0.0 else A * b
-            X = torch.baddbmm(X, B, X, beta=a)
+            if c != 0.0:
+                B = torch.baddbmm(A, A, A, beta=bb, alpha=cc)
+            else:
+                B = A if bb == 1.0 else A * bb
+            X = torch.baddbmm(X, B, X, beta=aa, alpha=alpha)
     if tall:
         X = X.transpose(-2, -1)
     X = X.to(x.dtype)
@@ -228,13 +272,16 @@ def newton_schulz_in_workspace(x: torch.Tensor, workspace: torch.Tensor, steps: 
     X = x0.view(b, m, n).transpose(-2, -1) if tall else x0.view(b, s, big)
     torch.div(src, norm + eps, out=X)
     Xn = x1.view(b, s, big)
-    for a, bb, c in coeffs:
+    for (_, _, c), (bb, cc, aa, alpha) in zip(coeffs, ns_step_scalars(coeffs, dt)):
         torch.bmm(X, X.transpose(-2, -1), out=A)
+        P = B
         if c != 0.0:
-            torch.baddbmm(A, A, A, beta=bb, alpha=c, out=B)
+            torch.baddbmm(A, A, A, beta=bb, alpha=cc, out=B)
+        elif bb == 1.0:
+            P = A
         else:
             torch.mul(A, bb, out=B)
-        torch.baddbmm(X, B, X, beta=a, out=Xn)
+        torch.baddbmm(X, P, X, beta=aa, alpha=alpha, out=Xn)
         # the iterate just read is dead: its storage takes the next product, contiguous
         X, Xn = Xn, (x0 if Xn.data_ptr() == x1.data_ptr() else x1).view(b, s, big)
     return X.transpose(-2, -1) if tall else X

@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from megatron_muon.core.newton_schulz import resolve_coefficients
+from megatron_muon.core.newton_schulz import ns_step_scalars, resolve_coefficients
 from megatron_muon.core.units import long_axis
 from megatron_muon.distributed.comm import exchange_p2p
 
@@ -198,16 +198,18 @@ class SplitNS:
         norms = self.norm_round.run(squares, group, stats, "split", dev)
         # as newton_schulz: the norm in the NS dtype, X / (norm + eps) in it
         xs = [x / (n.sqrt().to(dt) + e.eps) for x, n in zip(xs, norms)]
-        for a, b, c in resolve_coefficients(e.coefficients, e.ns_steps):
+        coeffs = resolve_coefficients(e.coefficients, e.ns_steps)
+        for (a, b, c), (bb, cc, aa, alpha) in zip(coeffs, ns_step_scalars(coeffs, dt)):
             # each part's Gram in the NS dtype (a GEMM with fp32 accumulation, rounded once),
             # summed in fp32, rounded back: as the whole unit's A is rounded once
             grams = [torch.mm(x, x.t())[self._mask(p.s, dev)] for p, x in zip(self.parts, xs)]
             sums = self.gram_round.run(grams, group, stats, "split", dev, dtype=dt)
             for i, (p, g) in enumerate(zip(self.parts, sums)):
                 A, x = self._symmetric(g, p.s, dev), xs[i]
-                if p.form == "b":
-                    B = torch.addmm(A, A, A, beta=b, alpha=c) if c != 0.0 else A * b
-                    xs[i] = torch.addmm(x, B, x, beta=a)
+                if p.form == "b":  # the whole unit's step, on its rescaled iterate
+                    B = torch.addmm(A, A, A, beta=bb, alpha=cc) if c != 0.0 else \
+                        (A if bb == 1.0 else A * bb)
+                    xs[i] = torch.addmm(x, B, x, beta=aa, alpha=alpha)
                 else:
                     Y = torch.mm(A, x)
                     Z = torch.addmm(Y, A, Y, beta=b, alpha=c) if c != 0.0 else Y * b
