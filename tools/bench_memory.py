@@ -136,7 +136,7 @@ def _recorded(phase_dir: str, nproc: int) -> Optional[list]:
 
 def worker(cfg: dict, tp: int, variant: str, steps: int, save_dir: str,
            phase_dir: Optional[str] = None, adam_sharding: str = "dp_reshardable",
-           ns_prec: Optional[str] = None) -> dict:
+           ns_prec: Optional[str] = None, zero3_bucket_size: int = 20_000_000) -> dict:
     import torch.distributed as dist
 
     from megatron_muon.megatron.checkpoint import save_checkpoint
@@ -162,7 +162,7 @@ def worker(cfg: dict, tp: int, variant: str, steps: int, save_dir: str,
     else:
         prec = {} if ns_prec is None or variant == "adam" else \
             dict(muon_fp32_matmul_prec=ns_prec)
-        model, optim = build_bench_variant(variant, gcfg, 20_000_000, lr=1e-3,
+        model, optim = build_bench_variant(variant, gcfg, zero3_bucket_size, lr=1e-3,
                                            dmuon_overlap=False, **prec)
     rank_params = sum(p.numel() for chunk in model for p in chunk.parameters())
     ranks = layout_ranks()
@@ -220,6 +220,10 @@ def main(argv=None) -> int:
                    help="the DMuon variants' Newton-Schulz precision (default: the config's, "
                         "medium = bf16; on the CPU bf16 matmuls run in oneDNN, which keeps "
                         "its kernels per problem shape, docs/memory.md)")
+    p.add_argument("--zero3-bucket-size", type=int, default=20_000_000, metavar="ELEMENTS",
+                   help="the ZeRO-3 variants' DDP bucket size, their gather unit (default 20M "
+                        "elements, sized for the 353M default; a model of a few buckets "
+                        "gathers most of itself at once)")
     a = p.parse_args(argv)
     variants = [v for v in a.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -249,7 +253,8 @@ def main(argv=None) -> int:
                     dict(cfg=cfg, tp=a.tp, variant=v, steps=a.steps,
                          save_dir=os.path.join(tmp, "ckpt"), phase_dir=phase_dir,
                          adam_sharding=a.adam_sharding_type,
-                         ns_prec=a.muon_fp32_matmul_prec),
+                         ns_prec=a.muon_fp32_matmul_prec,
+                         zero3_bucket_size=a.zero3_bucket_size),
                     timeout=a.timeout, env=env)
             except RankFailure as e:  # reported in the table, not hidden
                 why = str(e).splitlines()[0][:160]

@@ -126,9 +126,8 @@ def check_ns_method(method: str, gram_restart: Optional[int] = None) -> None:
         )
 
 
-
 def ns_step_scalars(coeffs: Sequence[tuple[float, float, float]],
-                  dtype: torch.dtype) -> list[tuple[float, float, float, float]]:
+                    dtype: torch.dtype) -> list[tuple[float, float, float, float]]:
     """Per step of standard NS, the scalars ``(beta_b, alpha_b, beta_x, alpha_x)`` of
     ``B~ = beta_b G + alpha_b G G`` (``beta_b G`` when c = 0) and
     ``Y' = beta_x Y + alpha_x B~ Y``, where G = Y Y^T and the stored iterate Y is the true
@@ -147,7 +146,7 @@ def ns_step_scalars(coeffs: Sequence[tuple[float, float, float]],
     the scalars applied inside it; docs/design.md#muon).  A set that repeats one triple
     ('simple', 'cubic') keeps the plain step, which needs no more kernels (2 betas); so
     does one step (sigma = 1: the same scalars) and float16: Y shrinks by the product of
-    the a's (about 450 for quintic) and fp16's range would lose it to underflow (bf16 and
+    the a's before the last (about 170 for quintic, 3400 for polar_express) and fp16's range would lose it to underflow (bf16 and
     fp32 share fp32's exponent range)."""
     plain_kernels = len({b for _, b, c in coeffs if c != 0.0}) + len({a for a, _, _ in coeffs})
     rescale = dtype != torch.float16 and plain_kernels > 4
