@@ -134,9 +134,13 @@ def _recorded(phase_dir: str, nproc: int) -> Optional[list]:
     return rows if all("steady" in row for row in rows) else None
 
 
+#: the ZeRO-3 variants' default DDP bucket size (elements), sized for the 353M default
+ZERO3_BUCKET_SIZE = 20_000_000
+
+
 def worker(cfg: dict, tp: int, variant: str, steps: int, save_dir: str,
            phase_dir: Optional[str] = None, adam_sharding: str = "dp_reshardable",
-           ns_prec: Optional[str] = None, zero3_bucket_size: int = 20_000_000) -> dict:
+           ns_prec: Optional[str] = None, zero3_bucket_size: int = ZERO3_BUCKET_SIZE) -> dict:
     import torch.distributed as dist
 
     from megatron_muon.megatron.checkpoint import save_checkpoint
@@ -220,7 +224,7 @@ def main(argv=None) -> int:
                    help="the DMuon variants' Newton-Schulz precision (default: the config's, "
                         "medium = bf16; on the CPU bf16 matmuls run in oneDNN, which keeps "
                         "its kernels per problem shape, docs/memory.md)")
-    p.add_argument("--zero3-bucket-size", type=int, default=20_000_000, metavar="ELEMENTS",
+    p.add_argument("--zero3-bucket-size", type=int, default=ZERO3_BUCKET_SIZE, metavar="ELEMENTS",
                    help="the ZeRO-3 variants' DDP bucket size, their gather unit (default 20M "
                         "elements, sized for the 353M default; a model of a few buckets "
                         "gathers most of itself at once)")

@@ -146,8 +146,8 @@ def ns_step_scalars(coeffs: Sequence[tuple[float, float, float]],
     the scalars applied inside it; docs/design.md#muon).  A set that repeats one triple
     ('simple', 'cubic') keeps the plain step, which needs no more kernels (2 betas); so
     does one step (sigma = 1: the same scalars) and float16: Y shrinks by the product of
-    the a's before the last (about 170 for quintic, 3400 for polar_express) and fp16's range would lose it to underflow (bf16 and
-    fp32 share fp32's exponent range)."""
+    the a's before the last (about 170 for quintic, 3400 for polar_express) and fp16's
+    range would lose it to underflow (bf16 and fp32 share fp32's exponent range)."""
     plain_kernels = len({b for _, b, c in coeffs if c != 0.0}) + len({a for a, _, _ in coeffs})
     rescale = dtype != torch.float16 and plain_kernels > 4
     out = []
@@ -208,10 +208,7 @@ def newton_schulz(
     else:
         for (_, _, c), (bb, cc, aa, alpha) in zip(coeffs, ns_step_scalars(coeffs, X.dtype)):
             A = torch.bmm(X, X.transpose(-2, -1))
-            if c != 0.0:
-                B = torch.baddbmm(A, A, A, beta=bb, alpha=cc)
-            else:
-                B = A if bb == 1.0 else A * bb
+            B = torch.baddbmm(A, A, A, beta=bb, alpha=cc) if c != 0.0 else A * bb
             X = torch.baddbmm(X, B, X, beta=aa, alpha=alpha)
     if tall:
         X = X.transpose(-2, -1)
@@ -273,14 +270,11 @@ def newton_schulz_in_workspace(x: torch.Tensor, workspace: torch.Tensor, steps: 
     Xn = x1.view(b, s, big)
     for (_, _, c), (bb, cc, aa, alpha) in zip(coeffs, ns_step_scalars(coeffs, dt)):
         torch.bmm(X, X.transpose(-2, -1), out=A)
-        P = B
         if c != 0.0:
             torch.baddbmm(A, A, A, beta=bb, alpha=cc, out=B)
-        elif bb == 1.0:
-            P = A
         else:
             torch.mul(A, bb, out=B)
-        torch.baddbmm(X, P, X, beta=aa, alpha=alpha, out=Xn)
+        torch.baddbmm(X, B, X, beta=aa, alpha=alpha, out=Xn)
         # the iterate just read is dead: its storage takes the next product, contiguous
         X, Xn = Xn, (x0 if Xn.data_ptr() == x1.data_ptr() else x1).view(b, s, big)
     return X.transpose(-2, -1) if tall else X

@@ -207,8 +207,7 @@ class SplitNS:
             for i, (p, g) in enumerate(zip(self.parts, sums)):
                 A, x = self._symmetric(g, p.s, dev), xs[i]
                 if p.form == "b":  # the whole unit's step, on its rescaled iterate
-                    B = torch.addmm(A, A, A, beta=bb, alpha=cc) if c != 0.0 else \
-                        (A if bb == 1.0 else A * bb)
+                    B = torch.addmm(A, A, A, beta=bb, alpha=cc) if c != 0.0 else A * bb
                     xs[i] = torch.addmm(x, B, x, beta=aa, alpha=alpha)
                 else:
                     Y = torch.mm(A, x)
