@@ -53,6 +53,14 @@ __all__ = ["Piece", "ShardedMatrix", "OwnerCentricNS", "NS_BATCH_SHARE"]
 NS_BATCH_SHARE = 4
 
 
+def _starts_at(view: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether ``view`` begins where ``base`` begins (same storage, same offset).  Not by
+    ``data_ptr``: a view with no elements has ``data_ptr() == 0`` (torch >= 2.13), and a
+    rank whose shard holds no Muon element has exactly such a ``local``."""
+    return view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() and \
+        view.storage_offset() == base.storage_offset()
+
+
 @dataclass(frozen=True)
 class Piece:
     rank: int  # group rank holding it
@@ -634,7 +642,7 @@ class OwnerCentricNS:
         """``run`` in ``arena`` (see there)."""
         n, o = self.local_numel, self.owned_numel
         if self.replicate or arena.numel() != self.arena_numel() or out is None or \
-                not out.data_ptr() == local.data_ptr() == arena.data_ptr() or \
+                not _starts_at(out, arena) or not _starts_at(local, arena) or \
                 arena.dtype != torch.float32:
             raise ValueError("run(arena=): arena must be arena_numel() fp32 elements starting "
                              "with local, and out must be local (not in naive mode)")
