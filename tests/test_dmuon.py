@@ -339,6 +339,19 @@ def test_resume_is_bitwise_identical(saved_dp4):
         assert torch.equal(full[n], resumed[n]), n
 
 
+def test_save_before_the_first_step_resumes_bitwise(tmp_path):
+    """A checkpoint written before any optimizer step (``--train-iters 0 --save``, an exit
+    signal, fp16 steps all skipped) holds the zero state the first step starts from; it
+    raised ``KeyError: 'momentum_buffer'`` before.  Resumed, it trains bitwise as a run
+    that never saved (both AdamW and DMuon state are zeros at step 0, step counters 0)."""
+    d = str(tmp_path)
+    train("dp4", steps=0, checkpoint=dict(save=d, save_at=0))
+    resumed = merged_params(train("dp4", steps=2, checkpoint=dict(load=d)))
+    whole = merged_params(train("dp4", steps=2))
+    for n in whole:
+        assert torch.equal(whole[n], resumed[n]), n
+
+
 def test_checkpoint_stores_each_ranks_own_range_once(saved_dp4):
     """The optimizer state is written as each DP rank's own blocks, never densified: every
     element of every state tensor is stored exactly once, and a parameter split over DP

@@ -35,7 +35,8 @@ from pathlib import Path
 import pytest
 
 from megatron_muon.megatron.cpu_run import with_cpu_defaults
-from megatron_muon.testing.mlm_env import installed_training_dir
+from megatron_muon.testing.mlm_env import (failure_report, installed_training_dir,
+                                            launch_mlm_runs, patched_megatron)
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "megatron_muon" / "testing" / "mlm_gpt.py"
@@ -135,34 +136,13 @@ def _launch(tmp_path_factory, make_spec, timeout: int = 780):
     launch of ``mlm_gpt.py`` on 4 CPU ranks; ``(out, {run name: its .json})``."""
     if MEGATRON is None:
         pytest.skip("no megatron/training in this env")
-    root = tmp_path_factory.mktemp("mlm")
-    shutil.copytree(MEGATRON, root / "megatron", ignore=shutil.ignore_patterns("__pycache__"))
-    done = subprocess.run([sys.executable, str(REPO / "patches" / "apply_patch.py"), str(root)],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
+    root = patched_megatron(tmp_path_factory.mktemp("mlm"))
     out = tmp_path_factory.mktemp("runs")
     spec = make_spec(out)
-    (out / "spec.json").write_text(json.dumps(spec))
-    env = dict(os.environ, MLM_GPT_RUNS=str(out / "spec.json"), PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([str(root), str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "megatron_muon.megatron.cpu_run", "--nproc", "4",
-                           "--timeout", str(timeout), str(SCRIPT), *COMMON], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout + 60)
-    results = {}
-    for name, _ in spec["runs"]:
-        path = out / f"{name}.json"
-        if path.exists():
-            results[name] = json.loads(path.read_text())
-    if proc.returncode != 0 or len(results) != len(spec["runs"]):
-        failed = next((name for name, _ in spec["runs"] if name not in results), None)
-        tails = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}"
-                          for p in sorted(out.glob(f"{failed}.rank*.log")) +
-                          sorted(out.glob(f"{failed}.log")))
-        errors = list(dict.fromkeys(line for line in proc.stderr.splitlines()
-                                    if "Error" in line or "error:" in line))
-        pytest.fail(f"cpu_run exited {proc.returncode}; run {failed!r} failed; results for "
-                    f"{sorted(results)}\nerror lines of the launch:\n" + "\n".join(errors[:20]) +
-                    f"\nthe failing run's logs:\n{tails}")
+    code, results, stderr = launch_mlm_runs(root, out, spec["runs"], COMMON, timeout,
+                                            record_batches=spec.get("record_batches", ()))
+    if code != 0 or len(results) != len(spec["runs"]):
+        pytest.fail(failure_report(out, spec["runs"], results, code, stderr))
     return out, results
 
 

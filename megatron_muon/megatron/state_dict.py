@@ -27,12 +27,13 @@ parameters the optimizer manages).
 from __future__ import annotations
 
 import torch
+from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_muon.megatron import compat
 
 __all__ = ["ModelSpaceStateMixin", "AdamStateMixin", "DMuonStateMixin", "LionStateMixin",
-           "check_scalar_optimizer"]
+           "check_scalar_optimizer", "model_pieces"]
 
 SCALAR_OPTIMIZER_KEY = "scalar_optimizer"  # in the non-parameter state of the subset
 
@@ -45,6 +46,35 @@ def check_scalar_optimizer(state_dict: dict, expected: str) -> None:
         raise ValueError(f"the checkpoint's non-matrix parameters were trained with {saved}, "
                          f"this run uses muon_scalar_optimizer={expected!r}: resume with "
                          f"--muon-scalar-optimizer {saved}")
+
+
+def model_pieces(entry, param: torch.Tensor) -> list:
+    """``[(flat start, ShardedTensor)]``: where each part of ``param`` (as this rank holds
+    it) sits in the checkpoint, in flat order.  A ``ShardedTensor`` is one part.  A
+    ``ShardedTensorFactory`` (Megatron's GLU ``linear_fc1``, dense and expert:
+    ``apply_swiglu_sharded_factory`` saves gate and up as two row blocks, so that TP
+    reshards them) is built on ``param`` itself: its tensors are views of it, and their
+    storage offsets say which elements each part holds.  The parts must tile ``param``."""
+    if isinstance(entry, ShardedTensor):
+        return [(0, entry)]
+    parts = []
+    for sh in nested_values(entry.build()):
+        if not isinstance(sh, ShardedTensor) or not sh.data.is_contiguous() or \
+                sh.data.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
+            raise ValueError(f"checkpoint entry {entry.key!r} ({type(entry).__name__}) is not "
+                             f"made of contiguous views of its parameter; megatron_muon cannot "
+                             f"save its optimizer state in model space")
+        parts.append((sh.data.storage_offset() - param.storage_offset(), sh))
+    parts.sort(key=lambda t: t[0])
+    at = 0
+    for start, sh in parts:
+        if start != at:
+            break
+        at += sh.data.numel()
+    if at != param.numel():
+        raise ValueError(f"checkpoint entry {entry.key!r}: its parts do not tile the "
+                         f"parameter of shape {tuple(param.shape)}")
+    return parts
 
 
 class ModelSpaceStateMixin:
@@ -84,9 +114,12 @@ class ModelSpaceStateMixin:
         return [p for chunk in self.model_chunks for _, p in chunk.named_parameters()
                 if p in self._managed]
 
-    def _held_in_order(self) -> list:
+    def _held_in_order(self, missing_as_zeros: bool = False) -> list:
         """(param, flat range, {key: flat shard tensor}) of the managed params this rank
-        holds a DP slice of, in model order."""
+        holds a DP slice of, in model order.  ``missing_as_zeros`` (saving only): state that
+        no step has created yet (a save before the first step: ``--train-iters 0``, an
+        exit signal, fp16 steps all skipped) is saved as the zeros the first step starts
+        from; a load always needs the real tensors, to fill them."""
         if self.is_stub_optimizer:
             return []
         keys = ("param",) + tuple(self.state_keys)
@@ -96,10 +129,13 @@ class ModelSpaceStateMixin:
                 continue
             r = self._get_model_param_range_map(p)["param"]
             tensors = self._get_main_param_and_optimizer_states(p)
+            if missing_as_zeros:
+                tensors = {k: tensors[k] if k in tensors else torch.zeros_like(tensors["param"])
+                           for k in keys}
             out.append((p, r, {k: tensors[k].view(-1) for k in keys}))
         return out
 
-    def _model_space_state(self, model_sharded_state_dict) -> dict:
+    def _model_space_state(self, model_sharded_state_dict, saving: bool) -> dict:
         """{index: {key: {piece: ShardedTensor}}}: this rank's slice of every main param and
         state tensor, as views, in model space (the parameter's own key and global shape).
 
@@ -109,7 +145,6 @@ class ModelSpaceStateMixin:
         Every element is saved once, by the rank that holds it, with no collective and no
         copy; on load each rank reads only its own blocks, from any DP / TP / PP layout.
         """
-        from megatron.core.dist_checkpointing.dict_utils import nested_values
         from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 
         from megatron_muon.core.flat_blocks import flat_range_blocks
@@ -119,16 +154,22 @@ class ModelSpaceStateMixin:
         for sh in nested_values(sharded):
             meta[sh.data] = sh
         out = {}
-        for i, (p, r, flat) in enumerate(self._held_in_order()):
+        for i, (p, r, flat) in enumerate(self._held_in_order(missing_as_zeros=saving)):
             if p not in meta:
                 raise ValueError("model parameter missing from the model sharded_state_dict")
-            sh = meta[p]
-            pre = sh.prepend_axis_num
-            blocks = flat_range_blocks(tuple(sh.local_shape), r.start, r.end)
+            # [(flat start, ShardedTensor, block)]: the own range cut at the model's pieces
+            # (one for a ShardedTensor, gate and up for a GLU factory), then into blocks
+            blocks = []
+            for start, sh in model_pieces(meta[p], p):
+                lo, hi = max(r.start, start), min(r.end, start + sh.data.numel())
+                blocks += [(start + b, sh, (b, offset, shape)) for b, offset, shape in
+                           (flat_range_blocks(tuple(sh.local_shape), lo - start, hi - start)
+                            if lo < hi else ())]
             out[i] = {}
             for key, t in flat.items():
                 pieces = {}
-                for j, (lo, offset, shape) in enumerate(blocks):
+                for j, (lo, sh, (_, offset, shape)) in enumerate(blocks):
+                    pre = sh.prepend_axis_num
                     n = 1
                     for d in shape:
                         n *= d
@@ -166,7 +207,8 @@ class ModelSpaceStateMixin:
         state_dict = self.state_dict()
         if is_loading:
             self.load_state_dict(self.state_dict())  # allocate state before it is filled
-        state_dict["param_state"] = self._model_space_state(model_sharded_state_dict or {})
+        state_dict["param_state"] = self._model_space_state(model_sharded_state_dict or {},
+                                                            saving=not is_loading)
         state_dict["param_state_sharding_type"] = self.CHECKPOINT_FORMAT
         return state_dict
 

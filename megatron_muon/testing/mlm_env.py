@@ -17,3 +17,66 @@ def installed_training_dir() -> Optional[Path]:
         if (Path(base) / "training" / "arguments.py").is_file():
             return Path(base) / "training"
     return None
+
+
+SCRIPT = Path(__file__).resolve().parent / "mlm_gpt.py"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def patched_megatron(root: Path) -> Path:
+    """Copy the installed ``megatron/`` tree (with ``training``) into ``root`` and apply
+    ``patches/megatron-lm-dmuon.patch`` there (the environment is never touched); ``root``."""
+    import shutil
+    import subprocess
+    import sys
+
+    training = installed_training_dir()
+    if training is None:
+        raise RuntimeError("this megatron-core ships no megatron/training (0.16.x)")
+    shutil.copytree(training.parent, root / "megatron",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    done = subprocess.run([sys.executable, str(REPO / "patches" / "apply_patch.py"), str(root)],
+                          capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"apply_patch failed:\n{done.stdout}{done.stderr}")
+    return root
+
+
+def launch_mlm_runs(root: Path, out: Path, runs: list, argv: list, timeout: int,
+                    nproc: int = 4, record_batches=()) -> tuple:
+    """Run ``mlm_gpt.py``'s trainings ``runs`` (``[[name, extra args], ...]``) in one launch
+    on ``nproc`` CPU ranks, with Megatron-LM from ``root`` (``patched_megatron``) and the
+    common arguments ``argv``.  ``(returncode, {run name: its .json}, stderr)``."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    spec = {"out": str(out), "runs": runs}
+    if record_batches:
+        spec["record_batches"] = list(record_batches)
+    (out / "spec.json").write_text(json.dumps(spec))
+    env = dict(os.environ, MLM_GPT_RUNS=str(out / "spec.json"), PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([str(root), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "megatron_muon.megatron.cpu_run", "--nproc",
+                           str(nproc), "--timeout", str(timeout), str(SCRIPT), *argv], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout + 60)
+    results = {}
+    for name, _ in runs:
+        path = out / f"{name}.json"
+        if path.exists():
+            results[name] = json.loads(path.read_text())
+    return proc.returncode, results, proc.stderr
+
+
+def failure_report(out: Path, runs: list, results: dict, code: int, stderr: str) -> str:
+    """The first run without a result, its logs' tails and the launch's error lines."""
+    failed = next((name for name, _ in runs if name not in results), None)
+    tails = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}"
+                      for p in sorted(out.glob(f"{failed}.rank*.log")) +
+                      sorted(out.glob(f"{failed}.log")))
+    errors = list(dict.fromkeys(line for line in stderr.splitlines()
+                                if "Error" in line or "error:" in line))
+    return (f"cpu_run exited {code}; run {failed!r} failed; results for {sorted(results)}\n"
+            f"error lines of the launch:\n" + "\n".join(errors[:20]) +
+            f"\nthe failing run's logs:\n{tails}")

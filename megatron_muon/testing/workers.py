@@ -193,6 +193,19 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
         gathers_in_load = _zero3_gathers(model) - before
     history, updated, max_logits = [], [], []
     base_clip = ocfg.clip_grad
+
+    def save_if_due(done: int) -> None:  # save_at=0: before the first step
+        nonlocal gathers_in_save
+        if checkpoint and checkpoint.get("save") and done == checkpoint.get("save_at"):
+            from megatron_muon.megatron.checkpoint import SHARDING_TYPE, save_checkpoint
+
+            before = _zero3_gathers(model)
+            save_checkpoint(checkpoint["save"], model, optim, done, sched,
+                            optim_sharding_type=checkpoint.get("sharding", SHARDING_TYPE))
+            gathers_in_save = _zero3_gathers(model) - before
+
+    if start == 0:
+        save_if_due(0)
     for step in range(start, steps):
         sched.step(1)
         for sub in {id(o): o for o in [optim, *getattr(optim, "chained_optimizers", [])]}.values():
@@ -210,13 +223,7 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
         if params_each_step:
             sync_params(model)
             history.append(full_named_params(model))
-        if checkpoint and checkpoint.get("save") and step + 1 == checkpoint.get("save_at"):
-            from megatron_muon.megatron.checkpoint import SHARDING_TYPE, save_checkpoint
-
-            before = _zero3_gathers(model)
-            save_checkpoint(checkpoint["save"], model, optim, step + 1, sched,
-                            optim_sharding_type=checkpoint.get("sharding", SHARDING_TYPE))
-            gathers_in_save = _zero3_gathers(model) - before
+        save_if_due(step + 1)
     max_logit_after = None
     if recheck_max_logit:
         from megatron_muon.megatron.qk_clip import clip_qk

@@ -1,0 +1,139 @@
+"""The model families users train, the layouts and modes they run them in, and the cases
+that cover every pair of those dimensions (tests/test_families.py, tools/sweep_families.py).
+
+A case is one (family, layout, mode, precision) point; ``case_runs`` turns it into
+Megatron-LM trainings for ``mlm_gpt.py`` (its ``MLM_GPT_RUNS`` spec): train ``STEPS``
+iterations saving at ``SAVE_AT``, resume from there (saving again at the end), and resume
+the same checkpoint at another layout.  ``pairwise_cases`` chooses, greedily and
+deterministically, cases until every pair of values of two dimensions that some allowed case
+contains is in one of them; ``all_cases`` is the full product (less what is not allowed).
+
+What is not allowed, and why (``allowed``): expert-parallel layouts need an MoE family;
+MoE at TP2 runs its experts at expert-TP 1 (dmuon refuses expert TP > 1); ZeRO-3 on even
+shards (``muon_naive``) needs no sequence parallelism.  Everything else must run.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+STEPS, SAVE_AT = 6, 3
+
+LLAMA = ["--group-query-attention", "--num-query-groups", "2", "--swiglu",
+         "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+         "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
+       "--moe-token-dispatcher-type", "allgather", "--moe-router-load-balancing-type", "aux_loss",
+       "--moe-aux-loss-coeff", "1e-2"]
+
+FAMILIES = {
+    "gpt": [],  # dense GPT: bias, GeLU, LayerNorm, learned positions, tied embeddings
+    "llama": LLAMA,  # GQA, SwiGLU, RMSNorm, RoPE, untied, no bias
+    "qwen3": LLAMA + ["--qk-layernorm"],
+    "qwen3_moe": LLAMA + ["--qk-layernorm"] + MOE,
+    "deepseek_moe": LLAMA + MOE + ["--moe-shared-expert-intermediate-size", "64"],
+}
+MOE_FAMILIES = {"qwen3_moe", "deepseek_moe"}
+
+LAYOUTS = {
+    "dp4": [],
+    "tp2": ["--tensor-model-parallel-size", "2"],
+    "pp2vpp": ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+               "--num-layers-per-virtual-pipeline-stage", "1"],
+    "ep2": ["--expert-model-parallel-size", "2"],
+    "tp2ep2": ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+               "--expert-tensor-parallel-size", "1"],
+}
+EP_LAYOUTS = {"ep2", "tp2ep2"}
+# where each layout's checkpoint is resumed at another layout (TP <-> PP <-> DP)
+RESHARD_TO = {"dp4": "tp2", "tp2": "pp2", "pp2vpp": "dp4", "ep2": "tp2ep2", "tp2ep2": "ep2"}
+RESHARD_LAYOUTS = {"pp2": ["--pipeline-model-parallel-size", "2"]}
+
+FP32_NS = ["--muon-fp32-matmul-prec", "highest"]
+MODES = {
+    "dmuon": ["--optimizer", "dmuon"],
+    "matrix": ["--optimizer", "dmuon", "--dmuon-placement", "matrix"],
+    "zero3": ["--optimizer", "dmuon", "--dmuon-placement", "matrix", "--dmuon-zero3",
+              "--overlap-grad-reduce"],
+    "split": ["--optimizer", "dmuon", "--dmuon-split-parts", "2", "--overlap-grad-reduce",
+              "--overlap-param-gather"],
+    "naive": ["--optimizer", "muon_naive"],
+}
+PRECISIONS = {"fp32": [], "bf16": ["--bf16"]}
+
+DIMENSIONS = {"family": FAMILIES, "layout": LAYOUTS, "mode": MODES, "precision": PRECISIONS}
+
+
+@dataclass(frozen=True)
+class Case:
+    family: str
+    layout: str
+    mode: str
+    precision: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}-{self.layout}-{self.mode}-{self.precision}"
+
+
+def allowed(case: Case) -> bool:
+    """Whether Megatron (and dmuon) can run ``case`` at all (module docstring)."""
+    if case.layout in EP_LAYOUTS and case.family not in MOE_FAMILIES:
+        return False
+    return True
+
+
+def all_cases() -> list:
+    return [c for c in itertools.starmap(Case, itertools.product(*DIMENSIONS.values()))
+            if allowed(c)]
+
+
+def _pairs(case: Case) -> set:
+    values = list(zip(DIMENSIONS, (case.family, case.layout, case.mode, case.precision)))
+    return set(itertools.combinations(values, 2))
+
+
+def pairwise_cases() -> list:
+    """Greedy all-pairs cover of ``all_cases()``: repeatedly take the case (first in product
+    order on ties) that covers the most pairs not yet covered.  Deterministic."""
+    cases = all_cases()
+    todo = set().union(*map(_pairs, cases))
+    chosen = []
+    while todo:
+        best = max(cases, key=lambda c: len(_pairs(c) & todo))
+        chosen.append(best)
+        todo -= _pairs(best)
+    return chosen
+
+
+def layout_args(layout: str) -> list:
+    return LAYOUTS.get(layout) or RESHARD_LAYOUTS.get(layout, [])
+
+
+def case_args(case: Case, layout: str | None = None) -> list:
+    """The Megatron-LM flags of ``case`` (at ``layout``, default its own)."""
+    layout = layout or case.layout
+    args = FAMILIES[case.family] + layout_args(layout) + MODES[case.mode] + FP32_NS + \
+        PRECISIONS[case.precision]
+    pp = "--pipeline-model-parallel-size" in args
+    if pp and case.mode == "zero3" and "--untie-embeddings-and-output-weights" not in args:
+        args += ["--untie-embeddings-and-output-weights"]  # ZeRO-3 with PP needs them untied
+    if layout != "pp2vpp" and case.layout == "pp2vpp":
+        args += ["--num-layers", "4"]  # the model the checkpoint holds
+    return args
+
+
+def case_runs(case: Case, out: str) -> list:
+    """``[[run name, extra args], ...]`` for ``mlm_gpt.py``: the whole run (saving at
+    SAVE_AT and STEPS), its resume from SAVE_AT (saving at STEPS), and that checkpoint
+    resumed at another layout."""
+    n = case.name
+    save = lambda d: ["--save", f"{out}/{d}", "--save-interval", str(SAVE_AT)]  # noqa: E731
+    load = lambda d: ["--load", f"{out}/{d}", "--ckpt-step", str(SAVE_AT)]  # noqa: E731
+    other = RESHARD_TO[case.layout]
+    if other in EP_LAYOUTS and case.family not in MOE_FAMILIES:
+        other = "dp4"
+    return [[n, case_args(case) + save(f"ck_{n}")],
+            [f"{n}.resume", case_args(case) + load(f"ck_{n}") + save(f"ck_{n}.resume")],
+            [f"{n}.at_{other}", case_args(case, other) + load(f"ck_{n}")]]
