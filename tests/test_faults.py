@@ -638,13 +638,18 @@ def test_ffn_size_must_split_over_tp():
 # gloo a peer left waiting times out too (the harness's timeout bounds it), so "no hang" is
 # "every rank returned the error within the timeout".
 @pytest.mark.timeout(300)
-def test_check_finite_on_one_rank_raises_the_same_error_on_every_rank():
+@pytest.mark.parametrize("extra", [{}, dict(dmuon_placement="matrix", dmuon_tp_mode="blockwise")],
+                         ids=["exchange", "no_exchange"])
+def test_check_finite_on_one_rank_raises_the_same_error_on_every_rank(extra):
     """``dmuon_check_finite``: a NaN in rank 1's momentum shard only.  Every rank of the
-    exchange group raises the same FloatingPointError at the same step, naming rank 1."""
+    exchange group raises the same FloatingPointError at the same step, naming rank 1.
+    Matrix placement with blockwise TP has no exchange (a group of one rank): the ranks then
+    agree over the DP group whose param all-gather follows (regression: rank 1 raised alone
+    and rank 0 waited in that all-gather until the timeout)."""
     from megatron_muon.testing.launch import run_ranks
 
     res = run_ranks("megatron_muon.testing.workers:check_finite_one_rank", 2,
-                    dict(cfg={"num_layers": 2}, opt=dict(lr=2e-3), poison_rank=1,
+                    dict(cfg={"num_layers": 2}, opt=dict(lr=2e-3, **extra), poison_rank=1,
                          poison_step=1), timeout=120)
     errors = {r["error"] for r in res}
     assert len(errors) == 1 and None not in errors, errors

@@ -268,7 +268,8 @@ class ShardedMuonStep(torch.optim.Optimizer):
 
     def __init__(self, param_groups, engine: OwnerCentricNS, *, momentum: float, nesterov: bool,
                  check_finite: bool, overlap: Optional[dict] = None,
-                 moment2: Optional[str] = None, beta2: float = 0.95, moment2_eps: float = 1e-8):
+                 moment2: Optional[str] = None, beta2: float = 0.95, moment2_eps: float = 1e-8,
+                 finite_group=None):
         # The shard main params are views (non-leaf for fp32 models), which torch's
         # add_param_group refuses; Megatron installs its groups the same direct way.
         super().__init__([torch.zeros(1, requires_grad=True)], dict(lr=0.0, weight_decay=0.0))
@@ -276,6 +277,11 @@ class ShardedMuonStep(torch.optim.Optimizer):
         self.momentum, self.nesterov, self.check_finite = momentum, nesterov, check_finite
         self.offsets, self.numel = flat_offsets(self.param_groups)
         self.engine = engine
+        # where the ranks agree on a non-finite U (``_check_finite``): the exchange group, or,
+        # where that has one rank (matrix placement with blockwise TP), the group whose
+        # param all-gather follows the step
+        self.finite_group = engine.group if engine.world > 1 or finite_group is None \
+            else finite_group
         # AdaMuon / NorMuon (docs/variants.md#adaptive-second-moments): {unit key: state}
         # of the units this rank owns, updated on the owner between NS and the scatter.
         self.moment2, self.beta2, self.moment2_eps = moment2, beta2, moment2_eps
@@ -354,9 +360,10 @@ class ShardedMuonStep(torch.optim.Optimizer):
     def _check_finite(self, flat: torch.Tensor) -> None:
         """``dmuon_check_finite``: raise on every rank of the exchange group if any rank's U
         is non-finite.  The ranks agree first (``failed_ranks``: one all-reduce over the
-        group of the all-to-alls that follow): a NaN in one rank's shard raised there alone
-        would leave the others waiting in the owners' all-to-all until the NCCL timeout."""
-        bad = failed_ranks(not bool(torch.isfinite(flat).all()), self.engine.group,
+        group of the collectives that follow, ``finite_group``): a NaN in one rank's shard
+        raised there alone would leave the others waiting in the owners' all-to-all (or, with
+        no exchange, Megatron's param all-gather) until the NCCL timeout."""
+        bad = failed_ranks(not bool(torch.isfinite(flat).all()), self.finite_group,
                            self.engine.device)
         if bad:
             raise FloatingPointError(
@@ -514,7 +521,8 @@ class DMuonDistributedOptimizer(DMuonStateMixin, _SubsetMixin, DistributedOptimi
             nesterov=muon_config.muon_nesterov, check_finite=muon_config.dmuon_check_finite,
             overlap=overlap, moment2=moment2,
             beta2=getattr(muon_config, "adaptive_muon_beta2", 0.95),
-            moment2_eps=getattr(muon_config, "adaptive_muon_eps", 1e-8))
+            moment2_eps=getattr(muon_config, "adaptive_muon_eps", 1e-8),
+            finite_group=self.data_parallel_group)
         self.init_state_fn = lambda opt, config=None: opt.init_state()
 
     def _shard_geometry(self, offsets: dict) -> tuple:
