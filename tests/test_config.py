@@ -262,3 +262,52 @@ def test_even_zero3_refuses_sequence_parallel_on_the_command_line():
             validate_dmuon_args(parse("--optimizer", opt))
     args = parse("--dmuon-placement", "matrix")
     assert validate_dmuon_args(args) is args
+
+
+def _parse_megatron_lm(*argv, extra=()):
+    """dmuon's flags on a parser with the Megatron-LM flags these refusals read."""
+    import argparse
+
+    from megatron_muon.megatron.arguments import add_dmuon_args
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--optimizer", default="dmuon")
+    p.add_argument("--use-distributed-optimizer", action="store_true")
+    p.add_argument("--overlap-grad-reduce", action="store_true")
+    p.add_argument("--qk-layernorm", action="store_true")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--ckpt-format", default="torch_dist")
+    p.add_argument("--enable-cuda-graph", action="store_true")
+    p.add_argument("--external-cuda-graph", action="store_true")
+    p.add_argument("--cuda-graph-impl", default="none")
+    return add_dmuon_args(p).parse_args(["--use-distributed-optimizer", *argv])
+
+
+def test_refusals_of_issue_42_name_the_flag_and_the_fix():
+    """Each was a silent wrong result or a late crash before: even-shard ZeRO-3 with
+    --qk-layernorm at TP > 1 (the q/k-norm gradients were never summed over TP), ZeRO-3 with
+    CUDA graphs (a replay reads freed storage), --ckpt-format torch (owner-held state lost,
+    one DP layout).  The configurations next to them that work still pass."""
+    from megatron_muon.megatron.arguments import DMuonArgumentError, validate_dmuon_args
+
+    zero3 = ("--dmuon-zero3", "--overlap-grad-reduce")
+    cases = [
+        (zero3 + ("--qk-layernorm", "--tensor-model-parallel-size", "2"),
+         r"--dmuon-zero3 with even shards .* does not support --qk-layernorm at "
+         r"--tensor-model-parallel-size > 1: use --dmuon-placement matrix"),
+        (zero3 + ("--dmuon-placement", "matrix", "--enable-cuda-graph"),
+         r"--dmuon-zero3 does not work with --enable-cuda-graph: a captured layer replays"),
+        (zero3 + ("--dmuon-placement", "matrix", "--cuda-graph-impl", "local"),
+         r"--dmuon-zero3 does not work with --cuda-graph-impl"),
+        (("--ckpt-format", "torch"),
+         r"--ckpt-format torch is not supported by dmuon: .* use --ckpt-format torch_dist"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(DMuonArgumentError, match=message):
+            validate_dmuon_args(_parse_megatron_lm(*argv))
+    for argv in (zero3 + ("--qk-layernorm", "--tensor-model-parallel-size", "2",
+                          "--dmuon-placement", "matrix"),
+                 zero3 + ("--qk-layernorm",),  # TP 1: nothing to all-reduce
+                 ("--enable-cuda-graph",)):  # without ZeRO-3
+        args = _parse_megatron_lm(*argv)
+        assert validate_dmuon_args(args) is args

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from megatron_muon.megatron.params import check_expert_layout, is_muon_matrix
+from megatron_muon.megatron.params import (check_expert_layout, is_muon_matrix,
+                                           layer_weights_not_2d)
 
 
 def _legacy_grouped_mlp(num_experts=4, hidden=8, ffn=6):
@@ -43,3 +44,14 @@ def test_weights_of_more_than_two_dimensions_are_refused_unless_sent_to_adamw():
                    torch.nn.Parameter(torch.zeros(6, 8))) for i in range(4)]
     check_expert_layout(per_expert, [])
     assert all(is_muon_matrix(n, p) for n, p in per_expert)
+
+
+def test_layer_weights_of_more_than_two_dimensions_go_to_the_scalar_optimizer():
+    """Mamba's 3-D ``conv1d.weight`` (hybrid models) is no expert stack: like Megatron's
+    own Muon, it goes to AdamW / Lion (the factory logs the names once), where before it met
+    an error about experts."""
+    conv = ("decoder.layers.1.mixer.conv1d.weight", torch.nn.Parameter(torch.zeros(16, 1, 4)))
+    check_expert_layout([conv], [])
+    assert not is_muon_matrix(*conv)
+    assert layer_weights_not_2d([conv, ("embedding.word_embeddings.weight",
+                                        torch.nn.Parameter(torch.zeros(4, 3, 2)))]) == [conv[0]]

@@ -486,10 +486,32 @@ def check_dmuon_settings(get: Callable[[str], Any], *, cli: bool,
         if (get("num_experts") or 0) > 0:
             fail(f"{s.set('dmuon_zero3', True)} supports dense models only "
                  f"(no {N('num_experts')})")
+        if get("dmuon_placement") != "matrix" and get("qk_layernorm") and \
+                (get("tensor_model_parallel_size") or 1) > 1:
+            # even shards leave main_grad None, so Megatron's TP all-reduce of the q/k-norm
+            # gradients (after finish_grad_sync) skips them and the TP replicas drift apart
+            fail(f"{s.set('dmuon_zero3', True)} with even shards "
+                 f"({s.set('dmuon_placement', 'dmuon')}) does not support "
+                 f"{N('qk_layernorm')} at {N('tensor_model_parallel_size')} > 1: use "
+                 f"{s.set('dmuon_placement', 'matrix')}")
+        graphs = [k for k in ("enable_cuda_graph", "external_cuda_graph") if get(k)]
+        if get("cuda_graph_impl") not in (None, "none"):
+            graphs.append("cuda_graph_impl")
+        if graphs:
+            fail(f"{s.set('dmuon_zero3', True)} does not work with {N(graphs[0])}: a captured "
+                 "layer replays without ZeRO-3's gather and free hooks and would read freed "
+                 "parameter storage")
         for key in ("log_params_norm", "async_save"):  # read every parameter off the hooks
             if get(key):
                 fail(f"{s.set('dmuon_zero3', True)} does not support {N(key)} yet (it reads "
                      "parameters a ZeRO-3 rank does not hold)")
+
+    fmt = get("ckpt_format")
+    if optimizer in ("dmuon", "muon_naive") and fmt not in (None, "torch_dist"):
+        fail(f"{N('ckpt_format')} {fmt} is not supported by {optimizer}: it saves the "
+             "distributed optimizer's state by DP shard with Adam's state keys only, so the "
+             "owners' Muon state would be lost and the checkpoint fixed to one DP layout; use "
+             f"{N('ckpt_format')} torch_dist")
 
     # --- Megatron's scalar-optimizer and TP-mode settings ---
     for key in ("lion_beta1", "lion_beta2"):

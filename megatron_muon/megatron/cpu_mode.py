@@ -8,7 +8,8 @@ such as ``param.type() == 'torch.cuda.FloatTensor'``, streams and ``synchronize`
 * a ``TorchFunctionMode`` rewrites cuda devices to cpu in every torch call, turns
   ``Tensor.cuda()`` into a no-op, and answers ``Tensor.type()`` with the CUDA type names;
 * ``torch.cuda.current_device/current_stream/synchronize/Stream/Event`` and the CUDA RNG
-  entry points get CPU stand-ins.
+  entry points get CPU stand-ins;
+* the local spec's torch norms accept sequence parallelism (``_patch_megatron_norms``).
 
 It does nothing (and returns False) when CUDA is available, so the same code runs on GPUs
 with NCCL unchanged.  Call it once per process before building Megatron objects.
@@ -158,6 +159,35 @@ def _patch_megatron_rng() -> None:
     set_megatron_attr(mrandom, "_set_cuda_rng_state", _set_cuda_rng_state)
 
 
+def _patch_megatron_norms() -> None:
+    """The local spec's torch norms (``WrappedTorchNorm``) refuse sequence parallelism.
+    Under it each TP rank normalises its own slice of the sequence with the TP-replicated
+    weights, so their gradients are partial sums, which Megatron all-reduces over TP for
+    every parameter marked ``sequence_parallel`` (``finalize_model_grads``), as it does for
+    Transformer Engine's and Apex's norms.  The stand-in builds the same torch norm and
+    marks its parameters."""
+    import copy
+
+    from megatron.core.transformer import torch_norm
+
+    original = torch_norm.WrappedTorchNorm.__new__
+    if getattr(original, "megatron_muon_cpu", False):
+        return
+
+    def __new__(cls, config, hidden_size, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original(cls, plain, hidden_size, *args, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+    __new__.megatron_muon_cpu = True
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
+
+
 def enable_cpu_mode() -> bool:
     """Patch torch.cuda entry points for CPU-only Megatron-Core; no-op when CUDA exists."""
     global _ACTIVE
@@ -190,6 +220,7 @@ def enable_cpu_mode() -> bool:
         _CudaToCpu().__enter__()  # stays on the mode stack for the life of the process
         _patch_megatron_without_te()
         _patch_megatron_rng()
+        _patch_megatron_norms()
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         _ACTIVE = True
     return True

@@ -35,7 +35,7 @@ from megatron_muon.megatron import compat
 from megatron_muon.megatron.dmuon import (DMuonDistributedOptimizer, LionSubsetDistributedOptimizer,
                                           SubsetDistributedOptimizer)
 from megatron_muon.megatron.groups import DMuonGroups
-from megatron_muon.megatron.params import check_expert_layout, is_muon_matrix
+from megatron_muon.megatron.params import check_expert_layout, is_muon_matrix, layer_weights_not_2d
 
 logger = logging.getLogger(__name__)
 
@@ -74,14 +74,20 @@ def build_dmuon_optimizer(config, model_chunks, config_overrides=None,
 
         shard_model(model_chunks, even=config.dmuon_placement != "matrix",
                     prefetch=config.dmuon_zero3_prefetch)
-    names = {}
+    names, not_2d = {}, []
     for chunk in model_chunks:
         for name, p in chunk.named_parameters():
             names[p] = name
         check_expert_layout(chunk.named_parameters(), chunk.named_modules(),
                             config.dmuon_adam_params)
+        not_2d += layer_weights_not_2d(chunk.named_parameters())
     muon_set = {p for p, n in names.items()
                 if p.requires_grad and is_muon_matrix(n, p, config.dmuon_adam_params)}
+    if dist.get_rank() == 0 and not_2d:
+        logger.warning("%s: %d layer weights are not 2-D and go to %s, not Muon: %s",
+                       config.optimizer, len(not_2d),
+                       "Lion" if config.muon_scalar_optimizer == "lion" else "AdamW",
+                       ", ".join(sorted(set(not_2d)))[:2000])
     if dist.get_rank() == 0:
         logger.info("%s: Muon takes %d matrices: %s", config.optimizer, len(muon_set),
                     ", ".join(sorted({names[p] for p in muon_set}))[:2000])

@@ -41,6 +41,8 @@ def check_expert_layout(named_parameters, named_modules, extra_adam: Optional[st
     reshapes of flat blocks, not blocks of the 2-D tensor; a weight of 3 or more dimensions
     inside the layers would go to AdamW unnoticed.  ``TEGroupedMLP`` (one ``weight{i}`` per
     expert) and ``SequentialMLP`` keep one 2-D tensor per expert and work as they are.
+    Other weights of more than two dimensions go to the scalar optimizer
+    (``layer_weights_not_2d``).
     """
     for name, module in named_modules:
         if type(module).__name__ == "GroupedMLP":
@@ -50,11 +52,19 @@ def check_expert_layout(named_parameters, named_modules, extra_adam: Optional[st
                              "--transformer-impl transformer_engine --moe-grouped-gemm) or "
                              "SequentialMLP (no --moe-grouped-gemm)")
     for name, p in named_parameters:
-        if p.ndim > 2 and ".layers." in f".{name}" and p.requires_grad and \
+        if p.ndim > 2 and ".experts." in f".{name}" and p.requires_grad and \
                 not (extra_adam and re.search(extra_adam, name)):
             raise ValueError(f"dmuon: {name} has shape {tuple(p.shape)}; Muon takes 2-D "
                              "matrices, one per expert: store each expert's weight as its own "
                              "2-D parameter, or send it to AdamW with --dmuon-adam-params")
+
+
+def layer_weights_not_2d(named_parameters) -> list:
+    """Names of the trainable weights of more than two dimensions inside the transformer
+    layers that are not experts' (Mamba's 3-D ``conv1d.weight``, say): like Megatron's own
+    Muon, they go to the scalar optimizer (AdamW or Lion), which the factory logs once."""
+    return [name for name, p in named_parameters if p.ndim > 2 and p.requires_grad and
+            ".layers." in f".{name}" and ".experts." not in f".{name}"]
 
 
 def tp_partition_dim(param: torch.Tensor) -> Optional[int]:

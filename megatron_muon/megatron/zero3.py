@@ -290,6 +290,14 @@ class MatrixZeRO3:
         from megatron.core.utils import unwrap_model
 
         self.model = unwrap_model(ddp_model)  # the GPTModel (under DDP and Float16Module)
+        config = getattr(self.model, "config", None)
+        if even and getattr(config, "qk_layernorm", False) and \
+                getattr(config, "tensor_model_parallel_size", 1) > 1:
+            # main_grad is None on even shards: Megatron's TP all-reduce of the q/k-norm
+            # gradients (after finish_grad_sync) would skip them, the replicas would drift
+            raise ValueError("ZeRO-3 on even shards (dmuon_placement='dmuon') does not support "
+                             "qk_layernorm at tensor parallel size > 1: use "
+                             "dmuon_placement='matrix'")
         if getattr(self.model, "share_embeddings_and_output_weights", False):
             from megatron.core import parallel_state
 

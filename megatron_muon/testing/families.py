@@ -9,8 +9,9 @@ deterministically, cases until every pair of values of two dimensions that some 
 contains is in one of them; ``all_cases`` is the full product (less what is not allowed).
 
 What is not allowed, and why (``allowed``): expert-parallel layouts need an MoE family;
-MoE at TP2 runs its experts at expert-TP 1 (dmuon refuses expert TP > 1); ZeRO-3 on even
-shards (``muon_naive``) needs no sequence parallelism.  Everything else must run.
+MoE with TP needs sequence parallelism (Megatron refuses it otherwise), and runs its
+experts at expert-TP 1 (dmuon refuses expert TP > 1); ``--dmuon-zero3`` is refused for MoE
+models at setup.  Everything else must run.
 """
 
 from __future__ import annotations
@@ -39,15 +40,17 @@ MOE_FAMILIES = {"qwen3_moe", "deepseek_moe"}
 LAYOUTS = {
     "dp4": [],
     "tp2": ["--tensor-model-parallel-size", "2"],
+    "tp2sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2vpp": ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
                "--num-layers-per-virtual-pipeline-stage", "1"],
     "ep2": ["--expert-model-parallel-size", "2"],
-    "tp2ep2": ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
-               "--expert-tensor-parallel-size", "1"],
+    "tp2ep2": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+               "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
 }
 EP_LAYOUTS = {"ep2", "tp2ep2"}
 # where each layout's checkpoint is resumed at another layout (TP <-> PP <-> DP)
-RESHARD_TO = {"dp4": "tp2", "tp2": "pp2", "pp2vpp": "dp4", "ep2": "tp2ep2", "tp2ep2": "ep2"}
+RESHARD_TO = {"dp4": "tp2", "tp2": "pp2", "tp2sp": "dp4", "pp2vpp": "dp4", "ep2": "tp2ep2",
+              "tp2ep2": "ep2"}
 RESHARD_LAYOUTS = {"pp2": ["--pipeline-model-parallel-size", "2"]}
 
 FP32_NS = ["--muon-fp32-matmul-prec", "highest"]
@@ -81,6 +84,10 @@ def allowed(case: Case) -> bool:
     """Whether Megatron (and dmuon) can run ``case`` at all (module docstring)."""
     if case.layout in EP_LAYOUTS and case.family not in MOE_FAMILIES:
         return False
+    if case.layout == "tp2" and case.family in MOE_FAMILIES:
+        return False  # Megatron: MoE with TP needs sequence parallelism
+    if case.mode == "zero3" and case.family in MOE_FAMILIES:
+        return False  # refused at setup: --dmuon-zero3 supports dense models only
     return True
 
 
@@ -132,7 +139,7 @@ def case_runs(case: Case, out: str) -> list:
     save = lambda d: ["--save", f"{out}/{d}", "--save-interval", str(SAVE_AT)]  # noqa: E731
     load = lambda d: ["--load", f"{out}/{d}", "--ckpt-step", str(SAVE_AT)]  # noqa: E731
     other = RESHARD_TO[case.layout]
-    if other in EP_LAYOUTS and case.family not in MOE_FAMILIES:
+    if case.family in MOE_FAMILIES and other == "tp2":
         other = "dp4"
     return [[n, case_args(case) + save(f"ck_{n}")],
             [f"{n}.resume", case_args(case) + load(f"ck_{n}") + save(f"ck_{n}.resume")],
