@@ -141,3 +141,24 @@ def test_chain_that_changes_layout_between_segments(tmp_path):
     # the first segment runs on the uninterrupted run's layout (the reported loss is that of
     # DP rank 0's microbatches, so other layouts report other numbers)
     assert losses(runs[1]) == losses(runs[0])[:SAVES[0]]
+
+
+def test_a_checkpoint_with_another_number_of_optimizer_parts_is_refused_in_one_line():
+    """An MoE checkpoint saved where the experts had optimizers of their own (EP2, or expert
+    TP 1 under TP2) and resumed where they do not (EP1 with expert TP = TP): Megatron's
+    ChainedOptimizer said only "Expected 2 entries in state dict, but got 3"."""
+    from megatron_muon.megatron.factory import DMuonChainedOptimizer
+
+    class Part:
+        def __init__(self):
+            self.loaded = None
+
+        def load_state_dict(self, sd):
+            self.loaded = sd
+
+    chain = DMuonChainedOptimizer.__new__(DMuonChainedOptimizer)
+    chain.chained_optimizers = [Part(), Part()]
+    with pytest.raises(ValueError, match=r"checkpoint's optimizer has 3 parts and this run's 2: "
+                                         r"MoE experts .*--no-load-optim"):
+        chain.load_state_dict({0: {}, 1: {}, 2: {}})
+    assert all(p.loaded is None for p in chain.chained_optimizers)

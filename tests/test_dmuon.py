@@ -416,6 +416,44 @@ def test_bf16_params_dmuon_equals_naive():
     assert max((a[n].float() - init[n]).abs().max().item() for n in a) > 1e-3  # it moved
 
 
+# --------------------------------------------------------------------------- model families
+# The families users train, in the harness's tiny GPT (4 layers, hidden 64, ffn 128: the same
+# K and matrix sizes MUON_ATOL is derived for): Llama (GQA + SwiGLU), Qwen3 (+ q/k layer
+# norms, TP-replicated weights whose gradients Megatron sums over TP) and DeepSeek-V3 style
+# multi-latent attention (q and kv LoRA down / up projections, each its own Muon unit; its
+# q/kv latent norms go to AdamW).  MoE: test_moe_experts_equal_reference.
+FAMILIES = {
+    "llama": dict(swiglu=True, num_query_groups=2),
+    "qwen3": dict(swiglu=True, num_query_groups=2, extra={"qk_layernorm": True}),
+    "mla": dict(swiglu=True, multi_latent_attention=True),
+}
+
+
+def family_reference(family):
+    key = ("family_reference", family)
+    if key not in _CACHE:
+        _CACHE[key] = run_ranks("megatron_muon.testing.reference:reference_train", 1,
+                                dict(cfg={"num_microbatches": 4, **FAMILIES[family]},
+                                     dp_size=1, steps=STEPS, opt=OPT), timeout=300)[0]
+    return _CACHE[key]
+
+
+@pytest.mark.parametrize("family,layout", [(f, lay) for f in FAMILIES
+                                           for lay in ("dp4", "tp2dp2")])
+def test_model_families_equal_reference(family, layout):
+    ref = family_reference(family)["params"]
+    full = merged_params(train(layout, cfg_extra=FAMILIES[family]))
+    assert set(full) == set(ref)
+    excess, name = worst_excess(full, ref)
+    assert excess < 1, f"{name}: {excess:.2f} x its tolerance"
+    if family == "mla":  # each of MLA's matrices is a Muon unit, its latent norms are not
+        muon = {n.split(".self_attention.")[1] for n in ref if ".self_attention." in n and
+                is_muon_matrix(n, ref[n])}
+        assert muon == {f"{m}.weight" for m in ("linear_q_down_proj", "linear_q_up_proj",
+                                                "linear_kv_down_proj", "linear_kv_up_proj",
+                                                "linear_proj")}, muon
+
+
 # --------------------------------------------------------------------------- MoE
 MOE = {"num_moe_experts": 2, "num_microbatches": 2,
        "extra": {"moe_token_dispatcher_type": "allgather"}}  # alltoall: gloo wants list splits
@@ -728,7 +766,7 @@ def test_even_zero3_checkpoint_resumes_bitwise(tmp_path):
 @pytest.mark.parametrize("ddp,placement,lr,match", [
     (dict(overlap_grad_reduce=False), True, None, "overlap_grad_reduce=True"),
     (ZERO3_DDP, False, None, "matrix_placement_for"),
-    # Megatron's NaN check runs on each bucket before its reduce-scatter (lr 1e30: NaN at step 2)
+    # Megatron's NaN check of each bucket's local norm, once per step (lr 1e30: NaN at step 2)
     (dict(ZERO3_DDP, check_for_nan_in_grad=True), True, 1e30, "found NaN in local grad norm"),
 ])
 def test_zero3_clear_errors(ddp, placement, lr, match):

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,8 +34,9 @@ from pathlib import Path
 import pytest
 
 from megatron_muon.megatron.cpu_run import with_cpu_defaults
-from megatron_muon.testing.mlm_env import (failure_report, installed_training_dir,
-                                            launch_mlm_runs, patched_megatron)
+from megatron_muon.testing.mlm_env import (checkpoint_tensors, failure_report,
+                                            installed_training_dir, launch_mlm_runs,
+                                            patched_megatron)
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "megatron_muon" / "testing" / "mlm_gpt.py"
@@ -204,16 +204,6 @@ def test_matrix_placement_and_zero3_reach_the_dmuon_loss(runs):
     _close(r["legacy_matrix_tp2"]["losses"], r["dmuon_tp2"]["losses"])
 
 
-def _tensors(path: Path) -> dict:
-    """Every tensor of a torch_dist (PyTorch DCP) checkpoint, model and optimizer."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    flat = path.with_suffix(".pt")
-    dcp_to_torch_save(str(path), str(flat))
-    return {k: v for k, v in torch.load(flat, weights_only=False).items() if torch.is_tensor(v)}
-
-
 @launched
 def test_save_resume_save_equals_the_uninterrupted_run(runs):
     """Megatron-LM's --save / --load (torch_dist, its default checkpoint flags; under dmuon
@@ -225,7 +215,8 @@ def test_save_resume_save_equals_the_uninterrupted_run(runs):
     assert r["dmuon_resume"]["first_iteration"] == SAVE_AT + 1
     assert r["dmuon_resume"]["losses"] == r["dmuon"]["losses"][SAVE_AT:]
     last = f"iter_{STEPS:07d}"
-    whole, resumed = _tensors(out / "ck_dmuon" / last), _tensors(out / "ck_resume" / last)
+    whole = checkpoint_tensors(out / "ck_dmuon" / last)
+    resumed = checkpoint_tensors(out / "ck_resume" / last)
     assert set(whole) == set(resumed)
     # DMuon's momentum is in it (model space; no chained_N prefix in the fully reshardable
     # format, where every key names its parameter)
@@ -408,12 +399,12 @@ def test_lora_smuon_finetunes_a_dmuon_checkpoint(peft_runs, capsys):
     base_eval, ft_eval = r["base_eval"]["losses"], r["ft_eval"]["losses"]
     assert sum(ft_eval) / len(ft_eval) < sum(base_eval) / len(base_eval) - 100 * MERGE_TOL
     last = f"iter_{STEPS:07d}"
-    pre = _tensors(out / "ck_pre" / last)
-    full = _tensors(out / "ck_resume" / last)  # --lora-save-base: adapters and base weights
+    pre = checkpoint_tensors(out / "ck_pre" / last)
+    full = checkpoint_tensors(out / "ck_resume" / last)  # --lora-save-base: adapters, base
     base_keys = [k for k in pre if not k.startswith("optimizer.")]
     assert base_keys and all(torch.equal(full[k], pre[k]) for k in base_keys)
-    adapters = _tensors(out / "ck_ft" / last)
-    mid = _tensors(out / "ck_ft" / f"iter_{SAVE_AT:07d}")
+    adapters = checkpoint_tensors(out / "ck_ft" / last)
+    mid = checkpoint_tensors(out / "ck_ft" / f"iter_{SAVE_AT:07d}")
     model_keys = [k for k in adapters if not k.startswith("optimizer.")]
     assert model_keys and all(".lora." in k for k in model_keys)  # adapter-only checkpoint
     assert all(k.startswith("optimizer.lora.") for k in adapters if k.startswith("optimizer."))
@@ -437,7 +428,8 @@ def test_lora_save_resume_save_is_exact(peft_runs):
     assert r["ft_resume"]["first_iteration"] == SAVE_AT + 1
     assert r["ft_resume"]["losses"] == ft[SAVE_AT:]
     last = f"iter_{STEPS:07d}"
-    whole, resumed = _tensors(out / "ck_ft" / last), _tensors(out / "ck_resume" / last)
+    whole = checkpoint_tensors(out / "ck_ft" / last)
+    resumed = checkpoint_tensors(out / "ck_resume" / last)
     assert any(k.endswith(".momentum_buffer") for k in whole)
     for k in whole:
         assert torch.equal(whole[k], resumed[k]), k
@@ -468,12 +460,12 @@ def test_relora_adam_and_pp2_in_megatron_lm(peft_runs):
     assert r["relora_resume"]["first_iteration"] == SAVE_AT + 1
     assert r["relora_resume"]["losses"] == r["relora"]["losses"][SAVE_AT:]
     last = f"iter_{STEPS:07d}"
-    whole = _tensors(out / "ck_relora" / last)
-    resumed = _tensors(out / "ck_relora_resume" / last)
+    whole = checkpoint_tensors(out / "ck_relora" / last)
+    resumed = checkpoint_tensors(out / "ck_relora_resume" / last)
     assert set(whole) == set(resumed) and any(".lora." not in k for k in whole)  # with base
     for k in whole:
         assert torch.equal(whole[k], resumed[k]), k
-    pre = _tensors(out / "ck_pre" / last)
+    pre = checkpoint_tensors(out / "ck_pre" / last)
     moved = [k for k in pre if not k.startswith("optimizer.") and k in whole
              and k.endswith("linear_qkv.weight")]
     assert moved and all(not torch.equal(pre[k], whole[k]) for k in moved)  # merged into base
@@ -511,7 +503,7 @@ def test_lora_smuon_equals_the_single_process_harness(peft_runs, tmp_path):
     # the adapters at the end (the checkpoint's full fp32 masters): the same within
     # TOLERANCE relative to their size
     factors = torch.load(res.with_suffix(".pt"))
-    saved = _tensors(out / "ck_ft" / f"iter_{STEPS:07d}")
+    saved = checkpoint_tensors(out / "ck_ft" / f"iter_{STEPS:07d}")
     assert len(factors) == 8  # 2 layers x qkv, proj, fc1, fc2
     for name, (A, B) in factors.items():
         for factor, t in (("A", A), ("B", B)):

@@ -30,3 +30,18 @@ def test_span_without_timeline_still_opens_the_profiler_range():
     assert "lora.exchange" in {e.name for e in prof.events()}
     with trace.span("nothing recording"):
         pass
+
+
+def test_a_long_run_keeps_a_bounded_timeline(tmp_path):
+    """``--dmuon-trace-dir`` on a long run: the timeline keeps its last ``max_events``
+    events and says how many it dropped (it kept every event in host memory before)."""
+    import json
+
+    from megatron_muon.distributed.trace import Timeline
+
+    tl = Timeline(rank=3, max_events=4)
+    for i in range(10):
+        tl.add(f"e{i}", "dmuon", i, i + 1)
+    assert [e["name"] for e in tl.events()] == ["e6", "e7", "e8", "e9"] and tl.dropped == 6
+    meta = json.loads(open(tl.save(str(tmp_path / "t.json"))).read())["traceEvents"][0]
+    assert meta["args"]["name"] == "rank 3 (the first 6 events dropped: max_events)"

@@ -28,6 +28,8 @@ the fp32 sum is rounded to bf16 for the next product, as the whole unit's A is.
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -172,7 +174,9 @@ class SplitNS:
         self.norm_round = Round(self.parts, lambda p: 1, me, world)
         # A is symmetric: its upper triangle (diagonal included) is what travels
         self.gram_round = Round(self.parts, lambda p: p.s * (p.s + 1) // 2, me, world)
-        self._upper: dict = {}  # s -> boolean mask of the upper triangle (one per short side)
+        # s -> flat (row-major) indices of the s x s upper triangle, diagonal included: index
+        # ops with them need no device-to-host sync (a boolean mask counts its elements)
+        self._upper: dict = {}
 
     def rounds(self) -> list:
         """``[(name, round)]``: the exchanges of a step (each round is two), for the
@@ -188,6 +192,13 @@ class SplitNS:
         if not self.active:
             return
         e = self.engine
+        # the matmul precision whole units run under (TF32 with muon_fp32_matmul_prec='high')
+        context = getattr(e.ns_fn, "matmul_context", None)
+        with context(e.device) if context is not None else contextlib.nullcontext():
+            self._run(owned, out, write)
+
+    def _run(self, owned: torch.Tensor, out: torch.Tensor, write) -> None:
+        e = self.engine
         dt, dev = e.ns_dtype, e.device
         group, stats = e.group, e.stats
         xs = []
@@ -202,7 +213,8 @@ class SplitNS:
         for (a, b, c), (bb, cc, aa, alpha) in zip(coeffs, ns_step_scalars(coeffs, dt)):
             # each part's Gram in the NS dtype (a GEMM with fp32 accumulation, rounded once),
             # summed in fp32, rounded back: as the whole unit's A is rounded once
-            grams = [torch.mm(x, x.t())[self._mask(p.s, dev)] for p, x in zip(self.parts, xs)]
+            grams = [torch.mm(x, x.t()).view(-1).index_select(0, self._upper_index(p.s, dev))
+                     for p, x in zip(self.parts, xs)]
             sums = self.gram_round.run(grams, group, stats, "split", dev, dtype=dt)
             for i, (p, g) in enumerate(zip(self.parts, sums)):
                 A, x = self._symmetric(g, p.s, dev), xs[i]
@@ -218,15 +230,16 @@ class SplitNS:
             dst = out[p.offset: p.offset + p.shape[0] * p.shape[1]].view(p.shape)
             write(o, dst, *p.unit_shape)
 
-    def _mask(self, s: int, device) -> torch.Tensor:
+    def _upper_index(self, s: int, device) -> torch.Tensor:
         if s not in self._upper:
-            self._upper[s] = torch.ones(s, s, dtype=torch.bool, device=device).triu()
+            rows, cols = torch.triu_indices(s, s, device=device)
+            self._upper[s] = rows * s + cols  # row by row, as a boolean mask would take them
         return self._upper[s]
 
     def _symmetric(self, upper: torch.Tensor, s: int, device) -> torch.Tensor:
         """The s x s symmetric matrix whose upper triangle (row by row) is ``upper``."""
         A = torch.zeros(s, s, dtype=upper.dtype, device=device)
-        A[self._mask(s, device)] = upper
+        A.view(-1).index_copy_(0, self._upper_index(s, device), upper)
         return A + A.triu(1).t()  # adds zeros to the upper part: exact
 
     def check(self, post: Optional[object]) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections import deque
 import time
 from contextlib import contextmanager, nullcontext
 from typing import Optional
@@ -27,13 +28,20 @@ from torch.profiler import record_function
 __all__ = ["Timeline", "active", "span", "start", "stop"]
 
 
-class Timeline:
-    """Complete ("X") events of one process; times in microseconds since ``start``."""
+#: events a timeline keeps (the most recent; ~200 bytes each): a long run's trace stays
+#: bounded in host memory, and ``dropped`` counts what fell out
+MAX_EVENTS = 500_000
 
-    def __init__(self, rank: int = 0, label: str = ""):
+
+class Timeline:
+    """Complete ("X") events of one process; times in microseconds since ``start``.  Keeps
+    the last ``max_events`` of them."""
+
+    def __init__(self, rank: int = 0, label: str = "", max_events: int = MAX_EVENTS):
         self.rank, self.label = rank, label
         self.t0 = time.perf_counter()
-        self._events: list[dict] = []
+        self._events: deque = deque(maxlen=max_events)
+        self.dropped = 0
         self._lock = threading.Lock()
 
     def now_us(self) -> float:
@@ -46,6 +54,7 @@ class Timeline:
         if args:
             ev["args"] = args
         with self._lock:
+            self.dropped += len(self._events) == self._events.maxlen
             self._events.append(ev)
 
     def events(self, name: Optional[str] = None) -> list[dict]:
@@ -55,10 +64,13 @@ class Timeline:
     def clear(self) -> None:
         with self._lock:
             self._events.clear()
+            self.dropped = 0
 
     def save(self, path: str) -> str:
-        meta = [dict(name="process_name", ph="M", pid=self.rank,
-                     args=dict(name=self.label or f"rank {self.rank}"))]
+        label = self.label or f"rank {self.rank}"
+        if self.dropped:
+            label += f" (the first {self.dropped} events dropped: max_events)"
+        meta = [dict(name="process_name", ph="M", pid=self.rank, args=dict(name=label))]
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump({"traceEvents": meta + self.events(), "displayTimeUnit": "ms"}, f)

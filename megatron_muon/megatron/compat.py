@@ -42,6 +42,9 @@ def ns_function(cfg) -> Callable:
     among that method's backends); 'auto' with the tuner lets it choose between them.
     ``muon_fp32_matmul_prec='high'`` runs fp32 NS with TF32 matmuls on CUDA.
 
+    ``fn.matmul_context(device)``: the context every NS matmul of the run needs (TF32 or
+    nothing), which split units (``split_ns``) enter as well.
+
     ``fn.in_workspace``: where the call is the plain torch standard NS (no tuner, not
     Triton, not Gram), the same NS computed in a caller's workspace
     (``newton_schulz_in_workspace``, bitwise the same result); else None.  The owners then
@@ -87,6 +90,8 @@ def ns_function(cfg) -> Callable:
     # fn's torch path ('auto' without a tuner is batched_newton_schulz's torch_batched)
     plain = fixed == "standard" and tuner is None and backend != "triton"
     fn.in_workspace = in_workspace if plain else None
+    # the same matmul precision for the units split across ranks (split_ns.SplitNS.run)
+    fn.matmul_context = _tf32_matmuls if tf32 else (lambda device: contextlib.nullcontext())
     return fn
 
 

@@ -9,7 +9,9 @@ such as ``param.type() == 'torch.cuda.FloatTensor'``, streams and ``synchronize`
   ``Tensor.cuda()`` into a no-op, and answers ``Tensor.type()`` with the CUDA type names;
 * ``torch.cuda.current_device/current_stream/synchronize/Stream/Event`` and the CUDA RNG
   entry points get CPU stand-ins;
-* the local spec's torch norms accept sequence parallelism (``_patch_megatron_norms``).
+* the local spec's torch norms accept sequence parallelism (``_patch_megatron_norms``), and
+  its core attention multi-latent attention's separate q/k and value head dims
+  (``_patch_megatron_core_attention``).
 
 It does nothing (and returns False) when CUDA is available, so the same code runs on GPUs
 with NCCL unchanged.  Call it once per process before building Megatron objects.
@@ -188,6 +190,34 @@ def _patch_megatron_norms() -> None:
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
 
 
+def _patch_megatron_core_attention() -> None:
+    """The local spec's core attention (``DotProductAttention``) takes one head dim for
+    queries, keys and values; multi-latent attention builds it with ``k_channels`` (q/k head
+    dim, rope part included) and ``v_channels`` (value head dim) and its own softmax scale.
+    Its forward already works per head in whatever dims the inputs have; only the output
+    width (heads x value dim) and the default scale (1 / sqrt(q/k dim)) depend on them."""
+    import math
+
+    from megatron.core.transformer import dot_product_attention as dpa
+
+    original = dpa.DotProductAttention.__init__
+    if getattr(original, "megatron_muon_cpu", False):
+        return
+
+    def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+        original(self, *args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_attention_head = v_channels
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+        if k_channels is not None and kwargs.get("softmax_scale") is None:
+            self.softmax_scale = 1.0 / math.sqrt(k_channels)
+            if self.config.apply_query_key_layer_scaling:
+                self.softmax_scale /= self.layer_number
+
+    __init__.megatron_muon_cpu = True
+    dpa.DotProductAttention.__init__ = __init__
+
+
 def enable_cpu_mode() -> bool:
     """Patch torch.cuda entry points for CPU-only Megatron-Core; no-op when CUDA exists."""
     global _ACTIVE
@@ -221,6 +251,7 @@ def enable_cpu_mode() -> bool:
         _patch_megatron_without_te()
         _patch_megatron_rng()
         _patch_megatron_norms()
+        _patch_megatron_core_attention()
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         _ACTIVE = True
     return True

@@ -107,6 +107,17 @@ def _skip_jit_warmup(*args, **kwargs):
     nothing else."""
 
 
+def _run_jit_fusers_eagerly() -> None:
+    """CPU only: Megatron-Core's ``jit_fuser`` (``torch.compile``) wraps the MoE router's and
+    token dispatcher's helpers, which Inductor compiles on their first calls in every
+    training: on 2 CPU cores a tiny MoE run spent 26 s in its first 3 iterations and 4 s in
+    the next 3.  The runner runs them eagerly (the same functions, unfused).  Works around
+    Megatron-LM on CPU; nothing else."""
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
+
+
 def build_dataset_helpers(folder: Path) -> None:
     """Run ``make`` in Megatron's dataset folder for the interpreter that runs this: its own
     extension suffix and include paths on make's command line, which override the Makefile's
@@ -179,6 +190,7 @@ def install_shims() -> None:
                             _device_arch_version)
     if hasattr(initialize, "_warmup_jit_function"):
         set_megatron_attr(initialize, "_warmup_jit_function", _skip_jit_warmup)
+    _run_jit_fusers_eagerly()
     if not getattr(dataset_utils.compile_helpers, "_megatron_muon_cpu", False):
         shim = _shim_compile_helpers(dataset_utils.compile_helpers)
         shim._megatron_muon_cpu = True

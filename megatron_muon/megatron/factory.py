@@ -39,7 +39,8 @@ from megatron_muon.megatron.params import check_expert_layout, is_muon_matrix, l
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["get_megatron_optimizer", "build_dmuon_optimizer", "close_optimizer"]
+__all__ = ["DMuonChainedOptimizer", "get_megatron_optimizer", "build_dmuon_optimizer",
+           "close_optimizer"]
 
 
 def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
@@ -125,7 +126,7 @@ def build_dmuon_optimizer(config, model_chunks, config_overrides=None,
                 dst.append(opt)
     for opt in muon_opts:
         opt.publish_params = False
-    chained = ChainedOptimizer(muon_opts + adam_opts)
+    chained = DMuonChainedOptimizer(muon_opts + adam_opts)
     from megatron_muon.megatron.qk_clip import record_max_logits
 
     # what close_optimizer takes back besides the sub-optimizers' own hooks, in build order
@@ -137,6 +138,26 @@ def build_dmuon_optimizer(config, model_chunks, config_overrides=None,
     chained.dmuon_teardown = teardown
     chained.close = functools.partial(close_optimizer, chained)
     return chained
+
+
+class DMuonChainedOptimizer(ChainedOptimizer):
+    """Megatron's ``ChainedOptimizer`` over dmuon's parts (DMuon and AdamW / Lion, for dense
+    and for expert parameters), whose checkpoint load names a change in the number of parts.
+
+    Megatron gives MoE experts their own process groups (and so dmuon its expert optimizers)
+    only when ``--expert-model-parallel-size`` > 1 or ``--expert-tensor-parallel-size``
+    differs from ``--tensor-model-parallel-size``; the parameter state reshards either way
+    (it is keyed by parameter), but the parts' list does not."""
+
+    def load_state_dict(self, state_dict):
+        if len(self.chained_optimizers) > 1 and len(state_dict) != len(self.chained_optimizers):
+            raise ValueError(
+                f"the checkpoint's optimizer has {len(state_dict)} parts and this run's "
+                f"{len(self.chained_optimizers)}: MoE experts get optimizers of their own only "
+                "with --expert-model-parallel-size > 1 or --expert-tensor-parallel-size other "
+                "than --tensor-model-parallel-size, on both sides or neither; resume at such a "
+                "layout, or with --no-load-optim (the optimizer state restarts)")
+        super().load_state_dict(state_dict)
 
 
 def close_optimizer(optimizer) -> None:

@@ -106,6 +106,8 @@ class TinyGPTConfig:
     bf16: bool = False
     fp16: bool = False
     num_moe_experts: Optional[int] = None
+    # multi-latent attention (DeepSeek-V3 / Kimi-K2): q and kv LoRA down / up projections
+    multi_latent_attention: bool = False
     tie_embeddings: bool = False  # share the embedding with the output layer (PP = 1 only)
     seed: int = 1234
     data_seed: int = 42
@@ -147,8 +149,17 @@ def transformer_config(cfg: TinyGPTConfig):
                       moe_token_dispatcher_type="alltoall",
                       moe_aux_loss_coeff=0.0,
                       expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size())
+    config_cls = TransformerConfig
+    if cfg.multi_latent_attention:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config_cls = MLATransformerConfig
+        head = cfg.hidden_size // cfg.num_attention_heads
+        kwargs.update(q_lora_rank=cfg.hidden_size // 2, kv_lora_rank=cfg.hidden_size // 2,
+                      qk_head_dim=head, qk_pos_emb_head_dim=head // 2, v_head_dim=head,
+                      rope_type="rope", normalization="RMSNorm", num_query_groups=None)
     kwargs.update(cfg.extra)
-    return TransformerConfig(**kwargs)
+    return config_cls(**kwargs)
 
 
 def build_gpt(cfg: TinyGPTConfig, *, wrap_ddp: bool = True, ddp_config=None,
@@ -164,7 +175,9 @@ def build_gpt(cfg: TinyGPTConfig, *, wrap_ddp: bool = True, ddp_config=None,
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     tcfg = transformer_config(cfg)
-    spec = layer_spec or get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts)
+    spec = layer_spec or get_gpt_layer_local_spec(
+        num_experts=cfg.num_moe_experts, qk_layernorm=tcfg.qk_layernorm,
+        multi_latent_attention=cfg.multi_latent_attention)
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
     chunks = []
     for v in range(vpp):

@@ -143,6 +143,7 @@ class _Bucket:
         self.fwd_done: set = set()
         self.ready: set = set()
         self.accumulated = False  # gshard holds this step's earlier microbatches
+        self.sq_norm = None  # this step's squared local gradient norm (check_grads)
         self.pending = None  # (work, send buffer) of a prefetch in flight
         _free(self.pfull)
         _free(self.gfull)
@@ -219,8 +220,11 @@ class _Bucket:
         self.ensure_grad_buffer()
         cfg = self.z.ddp_config
         if cfg.check_for_nan_in_grad or getattr(cfg, "check_for_large_grads", False):
-            self.check_grads(cfg.check_for_nan_in_grad,
-                             getattr(cfg, "check_for_large_grads", False))
+            # this microbatch's squared local norm, summed over the step's microbatches on
+            # the device; checked once per step (``check_grads``): no host sync per
+            # microbatch
+            sq = self.gfull.float().square().sum()
+            self.sq_norm = sq if self.sq_norm is None else self.sq_norm + sq
         if self.bucket.gradient_scaling_factor != 1.0:
             self.gfull.mul_(self.bucket.gradient_scaling_factor)
         op = dist.ReduceOp.AVG if cfg.average_in_collective else dist.ReduceOp.SUM
@@ -236,13 +240,20 @@ class _Bucket:
         self.release()  # every use of these parameters in this backward is done
         self.z.count("reductions", self.gfull)
 
-    def check_grads(self, check_for_nan_or_inf: bool, check_for_large: bool) -> None:
+    def check_grads(self) -> None:
         """Megatron's pre-reduction gradient check (``_ParamAndGradBucketGroup.check_grads``)
-        on this bucket alone: the same rerun-state-machine validations of the local norm."""
+        on this bucket alone, once per step (from ``finish_grad_sync``): the same
+        rerun-state-machine validations, of the local norm over the step's microbatches
+        (a NaN or Inf in any microbatch makes it NaN or Inf)."""
         from megatron.core.rerun_state_machine import get_rerun_state_machine
 
+        if self.sq_norm is None:
+            return
+        cfg = self.z.ddp_config
+        check_for_nan_or_inf = cfg.check_for_nan_in_grad
+        check_for_large = getattr(cfg, "check_for_large_grads", False)
         rsm = get_rerun_state_machine()
-        norm = self.gfull.norm(p=2)
+        norm, self.sq_norm = self.sq_norm.sqrt(), None
         where = (f"bucket #{self.bucket.bucket_id} in backward pass before data-parallel "
                  "communication collective")
         if check_for_nan_or_inf:
@@ -261,6 +272,7 @@ class _Bucket:
     def reset(self) -> None:
         self.gshard.zero_()
         self.accumulated = False
+        self.sq_norm = None
         self.ready.clear()
         _free(self.gfull)
         self.point_grads_to_full()
@@ -408,6 +420,7 @@ class MatrixZeRO3:
             for zb in zbs:  # buckets with parameters that got no gradient in a microbatch
                 if zb.ready or zb.gfull.untyped_storage().size() > 0:
                     zb.reduce()
+                zb.check_grads()
                 zb.point_grads_to_shard()
                 zb.release()
 

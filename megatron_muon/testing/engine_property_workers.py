@@ -122,8 +122,8 @@ def engine_matches_reference(seed: int, tp: int = 1) -> dict:
     tasks = [UnitTask(m.unit_key(i), u.shape, float(u.numel)) for m in mats
              for i, u in enumerate(m.units)]
     plan = plan_owners(tasks, world)
-    engine = OwnerCentricNS(mats, plan, dist.group.WORLD, ns_dtype=torch.float32, device=torch.device("cpu"),
-                            local_numel=sizes[rank], **NS)
+    engine = OwnerCentricNS(mats, plan, dist.group.WORLD, ns_dtype=torch.float32,
+                            device=torch.device("cpu"), local_numel=sizes[rank], **NS)
 
     def local_of(tensors) -> torch.Tensor:
         flat = torch.full((sizes[rank],), float("nan"))  # fillers: never read

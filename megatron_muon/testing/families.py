@@ -21,12 +21,15 @@ from dataclasses import dataclass
 
 STEPS, SAVE_AT = 6, 3
 
-LLAMA = ["--group-query-attention", "--num-query-groups", "2", "--swiglu",
-         "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-         "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+GQA = ["--group-query-attention", "--num-query-groups", "2"]
+SWIGLU_RMS_ROPE = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                   "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+LLAMA = GQA + SWIGLU_RMS_ROPE
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
        "--moe-token-dispatcher-type", "allgather", "--moe-router-load-balancing-type", "aux_loss",
-       "--moe-aux-loss-coeff", "1e-2"]
+       "--moe-aux-loss-coeff", "1e-2",
+       # dmuon plans experts at expert-TP 1; Megatron-LM defaults it to the TP size
+       "--expert-tensor-parallel-size", "1"]
 
 FAMILIES = {
     "gpt": [],  # dense GPT: bias, GeLU, LayerNorm, learned positions, tied embeddings
@@ -34,8 +37,14 @@ FAMILIES = {
     "qwen3": LLAMA + ["--qk-layernorm"],
     "qwen3_moe": LLAMA + ["--qk-layernorm"] + MOE,
     "deepseek_moe": LLAMA + MOE + ["--moe-shared-expert-intermediate-size", "64"],
+    # DeepSeek-V3 / Kimi-K2 style: multi-latent attention (with a q LoRA), MoE with a
+    # shared expert, one multi-token-prediction layer
+    "deepseek_v3": SWIGLU_RMS_ROPE + MOE +
+    ["--moe-shared-expert-intermediate-size", "64", "--multi-latent-attention",
+     "--q-lora-rank", "32", "--kv-lora-rank", "32", "--qk-head-dim", "16",
+     "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--mtp-num-layers", "1"],
 }
-MOE_FAMILIES = {"qwen3_moe", "deepseek_moe"}
+MOE_FAMILIES = {"qwen3_moe", "deepseek_moe", "deepseek_v3"}
 
 LAYOUTS = {
     "dp4": [],
@@ -45,12 +54,16 @@ LAYOUTS = {
                "--num-layers-per-virtual-pipeline-stage", "1"],
     "ep2": ["--expert-model-parallel-size", "2"],
     "tp2ep2": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-               "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
+               "--expert-model-parallel-size", "2"],
 }
 EP_LAYOUTS = {"ep2", "tp2ep2"}
-# where each layout's checkpoint is resumed at another layout (TP <-> PP <-> DP)
-RESHARD_TO = {"dp4": "tp2", "tp2": "pp2", "tp2sp": "dp4", "pp2vpp": "dp4", "ep2": "tp2ep2",
-              "tp2ep2": "ep2"}
+# where each layout's checkpoint is resumed at another layout (TP <-> PP <-> DP).  MoE
+# models keep expert process groups (EP > 1, or expert TP 1 under TP 2) on both sides or on
+# neither: Megatron gives the experts optimizers of their own only with them, and a
+# checkpoint with another number of optimizer parts is refused (factory.DMuonChainedOptimizer)
+RESHARD_TO = {"dp4": "tp2", "tp2": "pp2", "tp2sp": "dp4", "pp2vpp": "dp4"}
+MOE_RESHARD_TO = {"dp4": "pp2", "tp2sp": "ep2", "pp2vpp": "dp4", "ep2": "tp2ep2",
+                  "tp2ep2": "ep2"}
 RESHARD_LAYOUTS = {"pp2": ["--pipeline-model-parallel-size", "2"]}
 
 FP32_NS = ["--muon-fp32-matmul-prec", "highest"]
@@ -120,27 +133,48 @@ def layout_args(layout: str) -> list:
 
 def case_args(case: Case, layout: str | None = None) -> list:
     """The Megatron-LM flags of ``case`` (at ``layout``, default its own)."""
-    layout = layout or case.layout
-    args = FAMILIES[case.family] + layout_args(layout) + MODES[case.mode] + FP32_NS + \
-        PRECISIONS[case.precision]
-    pp = "--pipeline-model-parallel-size" in args
-    if pp and case.mode == "zero3" and "--untie-embeddings-and-output-weights" not in args:
+    args = FAMILIES[case.family] + layout_args(layout or case.layout) + MODES[case.mode] + \
+        FP32_NS + PRECISIONS[case.precision]
+    # the model is the case's, whatever layout resumes it
+    if "--pipeline-model-parallel-size" in LAYOUTS[case.layout] and case.mode == "zero3" and \
+            "--untie-embeddings-and-output-weights" not in args:
         args += ["--untie-embeddings-and-output-weights"]  # ZeRO-3 with PP needs them untied
-    if layout != "pp2vpp" and case.layout == "pp2vpp":
-        args += ["--num-layers", "4"]  # the model the checkpoint holds
+    if case.layout == "pp2vpp" and "--num-layers" not in layout_args(layout or case.layout):
+        args += ["--num-layers", "4"]
     return args
 
 
-def case_runs(case: Case, out: str) -> list:
+def reshard_layout(case: Case) -> str:
+    """The layout ``case``'s checkpoint is resumed at (``RESHARD_TO``, kept within what the
+    family allows)."""
+    return (MOE_RESHARD_TO if case.family in MOE_FAMILIES else RESHARD_TO)[case.layout]
+
+
+def ci_plan() -> tuple[list, dict]:
+    """What CI runs: every pairwise case trains and saves; per family, its first case is
+    resumed at the same layout (bitwise) and its first fp32 case at another layout.
+    ``(cases, {case name: ["resume" and / or "reshard"]})``."""
+    cases = pairwise_cases()
+    follow: dict = {}
+    for family in FAMILIES:
+        mine = [c for c in cases if c.family == family]
+        follow.setdefault(mine[0].name, []).append("resume")
+        fp32 = [c for c in mine if c.precision == "fp32"] or mine
+        follow.setdefault(fp32[0].name, []).append("reshard")
+    return cases, follow
+
+
+def case_runs(case: Case, out: str, lifecycle=("resume", "reshard")) -> list:
     """``[[run name, extra args], ...]`` for ``mlm_gpt.py``: the whole run (saving at
-    SAVE_AT and STEPS), its resume from SAVE_AT (saving at STEPS), and that checkpoint
-    resumed at another layout."""
+    SAVE_AT and STEPS), then per ``lifecycle`` its resume from SAVE_AT (saving at STEPS)
+    and that checkpoint resumed at another layout (``reshard_layout``)."""
     n = case.name
     save = lambda d: ["--save", f"{out}/{d}", "--save-interval", str(SAVE_AT)]  # noqa: E731
     load = lambda d: ["--load", f"{out}/{d}", "--ckpt-step", str(SAVE_AT)]  # noqa: E731
-    other = RESHARD_TO[case.layout]
-    if case.family in MOE_FAMILIES and other == "tp2":
-        other = "dp4"
-    return [[n, case_args(case) + save(f"ck_{n}")],
-            [f"{n}.resume", case_args(case) + load(f"ck_{n}") + save(f"ck_{n}.resume")],
-            [f"{n}.at_{other}", case_args(case, other) + load(f"ck_{n}")]]
+    runs = [[n, case_args(case) + save(f"ck_{n}")]]
+    if "resume" in lifecycle:
+        runs.append([f"{n}.resume", case_args(case) + load(f"ck_{n}") + save(f"ck_{n}.resume")])
+    if "reshard" in lifecycle:
+        other = reshard_layout(case)
+        runs.append([f"{n}.at_{other}", case_args(case, other) + load(f"ck_{n}")])
+    return runs

@@ -80,3 +80,13 @@ def failure_report(out: Path, runs: list, results: dict, code: int, stderr: str)
     return (f"cpu_run exited {code}; run {failed!r} failed; results for {sorted(results)}\n"
             f"error lines of the launch:\n" + "\n".join(errors[:20]) +
             f"\nthe failing run's logs:\n{tails}")
+
+
+def checkpoint_tensors(path: Path) -> dict:
+    """Every tensor of a torch_dist (PyTorch DCP) checkpoint folder, model and optimizer."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    flat = path.with_suffix(".pt")
+    dcp_to_torch_save(str(path), str(flat))
+    return {k: v for k, v in torch.load(flat, weights_only=False).items() if torch.is_tensor(v)}

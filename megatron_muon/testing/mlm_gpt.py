@@ -17,7 +17,7 @@ runs named in ``"record_batches"`` each rank's training microbatches go to
 whose arguments are a dict is a step between trainings instead (``{"merge": {...}}``:
 ``python -m megatron_muon.peft.merge`` on rank 0, ``_run_step``).
 Between runs Megatron-LM's global state is reset (``unset_global_variables``,
-``destroy_rerun_state_machine``, ``destroy_model_parallel``).
+``destroy_rerun_state_machine``, ``destroy_model_parallel``, the MoE metrics tracker).
 
 Needs ``megatron/training`` (megatron-core >= 0.17 or a Megatron-LM checkout), patched
 for ``--optimizer dmuon``.  On CPU:
@@ -144,6 +144,11 @@ def _reset_megatron() -> None:
     unset_global_variables()
     destroy_rerun_state_machine()
     mpu.destroy_model_parallel()
+    try:  # the MoE metrics, sized by the previous run's layers (megatron-core >= 0.19)
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    except ImportError:
+        return
+    destroy_moe_metrics_tracker()
 
 
 def _run_step(name: str, step: dict, out: Path, rank: int) -> None:
