@@ -9,8 +9,8 @@ dmuon, matrix placement, ZeRO-3, split Newton-Schulz, muon_naive.  Precision: fp
 ``ci_plan`` picks the cases (a greedy all-pairs cover of the allowed product) and which of
 them are resumed at the same layout (bitwise: losses and the final checkpoint) and at another
 layout (fp32: within TOLERANCE of the uninterrupted run, test_megatron_lm.py's derivation).
-All runs share one launch of ``mlm_gpt.py`` on 4 CPU ranks (the 0.19 lane: it needs the
-wheel's ``megatron/training``).  ``python tools/sweep_families.py`` runs the whole product.
+The runs go through ``mlm_gpt.py`` on 4 CPU ranks, a dozen per launch (the 0.19 lane: it
+needs the wheel's ``megatron/training``).  ``python tools/sweep_families.py`` runs the whole product.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 
 from megatron_muon.testing import families as F
 from megatron_muon.testing.mlm_env import (checkpoint_tensors, failure_report,
-                                            installed_training_dir, launch_mlm_runs,
+                                            installed_training_dir, launch_in_chunks,
                                             patched_megatron)
 
 COMMON = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -69,10 +69,10 @@ def family_runs(tmp_path_factory):
         pytest.skip("no megatron/training in this env")
     cases, follow = F.ci_plan()
     out = tmp_path_factory.mktemp("families")
-    runs = [r for c in cases for r in F.case_runs(c, str(out), follow.get(c.name, ()))]
+    groups = [F.case_runs(c, str(out), follow.get(c.name, ())) for c in cases]
     root = patched_megatron(tmp_path_factory.mktemp("mlm"))
-    code, results, stderr = launch_mlm_runs(root, out, runs, COMMON, timeout=1500)
-    if code != 0 or len(results) != len(runs):
+    code, results, stderr, runs = launch_in_chunks(root, out, groups, COMMON, timeout=900)
+    if code != 0:
         pytest.fail(failure_report(out, runs, results, code, stderr))
     return out, cases, follow, results
 
@@ -133,3 +133,26 @@ def test_resume_at_another_layout_continues_the_run(family_runs):
         assert other["first_iteration"] == F.SAVE_AT + 1, c.name
         worst = max(abs(a - b) for a, b in zip(other["losses"], r[c.name]["losses"][F.SAVE_AT:]))
         assert worst < TOLERANCE, (c.name, worst)
+
+
+@launched
+def test_warm_start_from_adamw_and_lora_fine_tune(family_runs):
+    """A dmuon run started from Megatron's own AdamW checkpoint of the same model
+    (``--no-load-optim --finetune``) begins at the AdamW run's trained loss, not at the
+    untrained one, and trains on; a LoRA + sMuon fine-tune from the family's dmuon checkpoint
+    (the adapters start at zero: the checkpoint's function) begins below the untrained loss
+    and stays finite (on mock data there is nothing more to learn in 6 steps; its equality
+    with the single-process replay is test_megatron_lm.py's)."""
+    _, cases, follow, r = family_runs
+    warm = [c for c in cases if "warm" in follow.get(c.name, ())]
+    lora = [c for c in cases if "lora" in follow.get(c.name, ())]
+    assert {c.family for c in warm} == set(F.CI_WARM)
+    assert {c.family for c in lora} == set(F.CI_LORA)
+    for c in warm:
+        adam, start = r[f"{c.name}.adam"]["losses"], r[f"{c.name}.from_adam"]["losses"]
+        assert all(math.isfinite(x) for x in adam + start), c.name
+        assert start[0] < adam[0] - 0.05 and start[-1] < start[0], (c.name, adam, start)
+    for c in lora:
+        ft = r[f"{c.name}.lora"]["losses"]
+        assert all(math.isfinite(x) for x in ft), c.name
+        assert len(ft) == F.STEPS and ft[0] < r[c.name]["losses"][0] - 0.05, (c.name, ft)

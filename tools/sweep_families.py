@@ -3,9 +3,10 @@ checkpoint lifecycle of every case: a table of what trains, resumes bitwise and 
 
 Each case (``megatron_muon/testing/families.py``) is its own launch of ``mlm_gpt.py`` on 4
 CPU ranks (so one failure does not stop the sweep): train 6 iterations saving at 3, resume
-from 3 (the losses and the final checkpoint must be the uninterrupted run's bit for bit), and
+from 3 (the losses and the final checkpoint must be the uninterrupted run's bit for bit),
 resume the same checkpoint at another layout (fp32: losses within 3e-4 of the uninterrupted
-run, tests/test_families.py).  Needs megatron-core >= 0.19 (its wheel ships
+run, tests/test_families.py), warm-start from Megatron's AdamW checkpoint of the same model,
+and fine-tune the case's checkpoint with LoRA + sMuon.  Needs megatron-core >= 0.19 (its wheel ships
 ``megatron/training``); about a minute per case on 2 CPU cores.
 
     python tools/sweep_families.py --pairwise --markdown docs/families.md   # 35 cases
@@ -74,6 +75,10 @@ def run_case(case: F.Case, root: Path, out: Path) -> dict:
         worst = max(abs(a - b) for a, b in zip(at["losses"], results[n]["losses"][F.SAVE_AT:]))
         ok = worst < TOLERANCE or case.precision != "fp32"
         row["reshard"] = f"{other}: {worst:.1e}" + ("" if ok else " (over 3e-4)")
+    for kind, run in (("warm", f"{n}.from_adam"), ("lora", f"{n}.lora")):
+        got = results.get(run)
+        row[kind] = (_first_error(out, run) if n in results else "-") if got is None else \
+            f"{got['losses'][0]:.4f} -> {got['losses'][-1]:.4f}"
     return row
 
 
@@ -85,14 +90,19 @@ def markdown(rows: list, command: str) -> str:
              "same layout (bitwise: the losses and every tensor of the final checkpoint); "
              "*reshard* restarts it at another layout (the largest difference from the "
              "uninterrupted run's losses; fp32 cases must stay within 3e-4, bf16 ones are "
-             "listed as measured).", "",
-             "| case | train (loss 1 -> 6) | resume | reshard |", "|---|---|---|---|"]
+             "listed as measured); *warm* trains the same model with Megatron's AdamW and "
+             "starts the case's optimizer from that checkpoint (`--no-load-optim --finetune`); "
+             "*lora* fine-tunes the case's checkpoint with LoRA + sMuon (`--finetune`).", "",
+             "| case | train (loss 1 -> 6) | resume | reshard | warm from AdamW | LoRA + sMuon |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         train = r["train"] if r["train"] != "ok" else \
             f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
-        lines.append(f"| {r['case']} | {train} | {r['resume']} | {r['reshard']} |")
+        lines.append(f"| {r['case']} | {train} | {r['resume']} | {r['reshard']} | "
+                     f"{r['warm']} | {r['lora']} |")
     good = sum(r["train"] == "ok" and r["resume"] == "bitwise" and "over" not in r["reshard"]
-               and ":" in r["reshard"] for r in rows)
+               and ":" in r["reshard"] and "->" in r["warm"] and "->" in r["lora"]
+               for r in rows)
     lines += ["", f"{good} of {len(rows)} cases complete the whole chain.", ""]
     return "\n".join(lines)
 
@@ -123,7 +133,8 @@ def main(argv=None) -> int:
         rows.append(run_case(case, root, out))
         r = rows[-1]
         print(f"[{i + 1}/{len(cases)} {time.time() - start:.0f}s] {case.name}: train "
-              f"{r['train']}, resume {r['resume']}, reshard {r['reshard']}", flush=True)
+              f"{r['train']}, resume {r['resume']}, reshard {r['reshard']}, warm {r['warm']}, "
+              f"lora {r['lora']}", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
     command = "python tools/sweep_families.py " + " ".join(argv if argv is not None
@@ -133,7 +144,8 @@ def main(argv=None) -> int:
     if args.out_dir is None:
         shutil.rmtree(work, ignore_errors=True)
     failed = [r["case"] for r in rows if r["train"] != "ok" or r["resume"] != "bitwise"]
-    print(f"{len(rows) - len(failed)} of {len(rows)} cases train and resume bitwise")
+    print(f"{len(rows) - len(failed)} of {len(rows)} cases train and resume bitwise "
+          f"(the table: every lifecycle step)")
     return 1 if failed else 0
 
 

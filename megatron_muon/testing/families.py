@@ -150,10 +150,19 @@ def reshard_layout(case: Case) -> str:
     return (MOE_RESHARD_TO if case.family in MOE_FAMILIES else RESHARD_TO)[case.layout]
 
 
+LORA = ["--optimizer", "smuon", "--lora-rank", "4", "--lora-alpha", "8", "--lr", "3e-3",
+        "--lr-decay-style", "constant"]
+# CI's warm starts from AdamW and LoRA fine-tunes: the families and modes they cover
+CI_WARM = ("llama", "qwen3_moe", "deepseek_v3")
+CI_LORA = ("llama", "qwen3")
+
+
 def ci_plan() -> tuple[list, dict]:
     """What CI runs: every pairwise case trains and saves; per family, its first case is
-    resumed at the same layout (bitwise) and its first fp32 case at another layout.
-    ``(cases, {case name: ["resume" and / or "reshard"]})``."""
+    resumed at the same layout (bitwise) and its first fp32 case at another layout; the
+    first case of the ``CI_WARM`` families also starts from an AdamW checkpoint, and that
+    of the ``CI_LORA`` ones is fine-tuned with LoRA + sMuon from its own checkpoint.
+    ``(cases, {case name: ["resume", "reshard", "warm", "lora"] (some of them)})``."""
     cases = pairwise_cases()
     follow: dict = {}
     for family in FAMILIES:
@@ -161,13 +170,16 @@ def ci_plan() -> tuple[list, dict]:
         follow.setdefault(mine[0].name, []).append("resume")
         fp32 = [c for c in mine if c.precision == "fp32"] or mine
         follow.setdefault(fp32[0].name, []).append("reshard")
+        follow[mine[0].name] += ["warm"] * (family in CI_WARM) + ["lora"] * (family in CI_LORA)
     return cases, follow
 
 
-def case_runs(case: Case, out: str, lifecycle=("resume", "reshard")) -> list:
+def case_runs(case: Case, out: str, lifecycle=("resume", "reshard", "warm", "lora")) -> list:
     """``[[run name, extra args], ...]`` for ``mlm_gpt.py``: the whole run (saving at
-    SAVE_AT and STEPS), then per ``lifecycle`` its resume from SAVE_AT (saving at STEPS)
-    and that checkpoint resumed at another layout (``reshard_layout``)."""
+    SAVE_AT and STEPS), then per ``lifecycle`` its resume from SAVE_AT (saving at STEPS),
+    that checkpoint resumed at another layout (``reshard_layout``), the case's model trained
+    with Megatron's AdamW and warm-started from it (``--no-load-optim --finetune``), and a
+    LoRA + sMuon fine-tune from the case's final checkpoint (``--finetune``)."""
     n = case.name
     save = lambda d: ["--save", f"{out}/{d}", "--save-interval", str(SAVE_AT)]  # noqa: E731
     load = lambda d: ["--load", f"{out}/{d}", "--ckpt-step", str(SAVE_AT)]  # noqa: E731
@@ -177,4 +189,19 @@ def case_runs(case: Case, out: str, lifecycle=("resume", "reshard")) -> list:
     if "reshard" in lifecycle:
         other = reshard_layout(case)
         runs.append([f"{n}.at_{other}", case_args(case, other) + load(f"ck_{n}")])
+    if "warm" in lifecycle:
+        adam = _model_and_layout(case, ["--optimizer", "adam"])
+        runs += [[f"{n}.adam", adam + save(f"ck_{n}.adam")],
+                 [f"{n}.from_adam", case_args(case) + ["--load", f"{out}/ck_{n}.adam",
+                                                      "--no-load-optim", "--finetune"]]]
+    if "lora" in lifecycle:
+        runs.append([f"{n}.lora", _model_and_layout(case, LORA) +
+                     ["--load", f"{out}/ck_{n}", "--finetune"]])
     return runs
+
+
+def _model_and_layout(case: Case, optimizer: list) -> list:
+    """``case_args`` with ``optimizer``'s flags in place of the mode's."""
+    args, mode = case_args(case), MODES[case.mode]
+    i = args.index(mode[0])
+    return args[:i] + optimizer + args[i + len(mode):]

@@ -146,9 +146,16 @@ def _reset_megatron() -> None:
     mpu.destroy_model_parallel()
     try:  # the MoE metrics, sized by the previous run's layers (megatron-core >= 0.19)
         from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+        destroy_moe_metrics_tracker()
     except ImportError:
-        return
-    destroy_moe_metrics_tracker()
+        pass
+    # The data loaders' worker processes live until their iterators are collected.  (Megatron
+    # forgets its process groups without destroying them, so each run leaves its gloo
+    # groups' threads behind, ~40 per rank: keep a launch to a dozen runs or so.)
+    import gc
+
+    gc.collect()
 
 
 def _run_step(name: str, step: dict, out: Path, rank: int) -> None:
