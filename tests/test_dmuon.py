@@ -441,7 +441,16 @@ def family_reference(family):
 @pytest.mark.parametrize("family,layout", [(f, lay) for f in FAMILIES
                                            for lay in ("dp4", "tp2dp2")])
 def test_model_families_equal_reference(family, layout):
-    ref = family_reference(family)["params"]
+    """MLA at TP2 is compared with muon_naive at TP2 (every rank gathers every matrix and
+    runs the reference's NS on it) instead of the single-process run: Megatron's local-spec
+    MLA computes a TP-dependent gradient there.  Its rotary key rows of
+    ``linear_kv_down_proj`` (the last ``qk_pos_emb_head_dim``) are shared by all heads, and
+    at TP > 1 each rank's gradient for them holds only its own heads' part (Megatron's own
+    AdamW after one step: 1e-5 off the TP1 run in those rows, 4e-9 at TP1)."""
+    if family == "mla" and layout == "tp2dp2":
+        ref = merged_params(train(layout, optimizer="muon_naive", cfg_extra=FAMILIES[family]))
+    else:
+        ref = family_reference(family)["params"]
     full = merged_params(train(layout, cfg_extra=FAMILIES[family]))
     assert set(full) == set(ref)
     excess, name = worst_excess(full, ref)
