@@ -121,6 +121,24 @@ def _run_jit_fusers_eagerly() -> None:
     torch._dynamo.config.disable = True
 
 
+def _no_te_inference_layers() -> None:
+    """CPU only: Megatron-Core 0.20's multi-token-prediction layer asks
+    ``is_inference_column_parallel_linear``, an ``isinstance`` against inference classes
+    derived from Transformer Engine's, which without it are not classes (``TypeError`` while
+    building an ``--mtp-num-layers`` model).  No module is one of them without Transformer
+    Engine, so the answer is False.  Works around Megatron-LM on CPU; nothing else."""
+    try:
+        from megatron.core.tensor_parallel import inference_layers
+    except ImportError:
+        return
+    original = getattr(inference_layers, "is_inference_column_parallel_linear", None)
+    if original is None or getattr(inference_layers, "HAVE_TE", True):
+        return
+    from megatron_muon.megatron.compat import replace_everywhere
+
+    replace_everywhere("megatron.core", original, lambda module: False)
+
+
 def build_dataset_helpers(folder: Path) -> None:
     """Run ``make`` in Megatron's dataset folder for the interpreter that runs this: its own
     extension suffix and include paths on make's command line, which override the Makefile's
@@ -194,6 +212,7 @@ def install_shims() -> None:
     if hasattr(initialize, "_warmup_jit_function"):
         set_megatron_attr(initialize, "_warmup_jit_function", _skip_jit_warmup)
     _run_jit_fusers_eagerly()
+    _no_te_inference_layers()
     if not getattr(dataset_utils.compile_helpers, "_megatron_muon_cpu", False):
         shim = _shim_compile_helpers(dataset_utils.compile_helpers)
         shim._megatron_muon_cpu = True
