@@ -39,6 +39,7 @@ SECONDARY_LANE = {
     "test_megatron_lm.py", "test_patch.py", "test_config.py", "test_groups.py", "test_hooks.py",
     "test_islands.py", "test_production_flags.py", "test_cpu_mode.py", "test_geometry.py",
     "test_families.py",  # the model families through Megatron-LM's loop (its megatron/training)
+    ("test_dmuon.py", "test_model_families_equal_reference[mla-dp4]"),
     ("test_dmuon.py", "test_model_families_equal_reference[mla-tp2dp2]"),
     ("test_dmuon.py", "test_dmuon_equals_reference[tp2dp2]"),
     ("test_dmuon.py", "test_dmuon_equals_reference[pp2dp2]"),

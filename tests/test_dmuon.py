@@ -447,6 +447,12 @@ def test_model_families_equal_reference(family, layout):
     ``linear_kv_down_proj`` (the last ``qk_pos_emb_head_dim``) are shared by all heads, and
     at TP > 1 each rank's gradient for them holds only its own heads' part (Megatron's own
     AdamW after one step: 1e-5 off the TP1 run in those rows, 4e-9 at TP1)."""
+    import megatron.core
+    from packaging.version import Version
+
+    if family == "mla" and Version(megatron.core.__version__) < Version("0.19"):
+        pytest.skip("megatron-core 0.16's MLA asks isinstance(linear_proj, TELinear) with "
+                    "TELinear None when Transformer Engine is absent; the 0.19 lane runs it")
     if family == "mla" and layout == "tp2dp2":
         ref = merged_params(train(layout, optimizer="muon_naive", cfg_extra=FAMILIES[family]))
     else:

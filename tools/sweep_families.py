@@ -9,8 +9,8 @@ run, tests/test_families.py), warm-start from Megatron's AdamW checkpoint of the
 and fine-tune the case's checkpoint with LoRA + sMuon.  Needs megatron-core >= 0.19 (its wheel ships
 ``megatron/training``); about a minute per case on 2 CPU cores.
 
-    python tools/sweep_families.py --pairwise --markdown docs/families.md   # 35 cases
-    python tools/sweep_families.py                                          # all 240
+    python tools/sweep_families.py --pairwise --markdown /tmp/pairwise.md   # 35 cases
+    python tools/sweep_families.py --markdown docs/families_all.md          # all 240
     python tools/sweep_families.py --cases 'deepseek_v3-*'                  # a glob
 """
 
