@@ -26,17 +26,8 @@ from megatron_muon.testing.mlm_env import (checkpoint_tensors, failure_report,
                                             installed_training_dir, launch_in_chunks,
                                             patched_megatron)
 
-COMMON = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-          "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
-          "--global-batch-size", "8", "--vocab-size", "256", "--lr", "1e-3",
-          "--train-iters", str(F.STEPS), "--eval-interval", "1000", "--log-interval", "1",
-          "--seed", "1234", "--hidden-dropout", "0", "--attention-dropout", "0",
-          "--use-distributed-optimizer", "--ckpt-format", "torch_dist",
-          "--distributed-timeout-minutes", "4"]
-# A checkpoint resumed at another layout: the same model and data, only the fp32 summation
-# order differs (TP splits inner products, EP regroups the experts' tokens, PP moves nothing);
-# test_megatron_lm.py's TOLERANCE derives the bound on the losses for fp32 Newton-Schulz.
-TOLERANCE = 3e-4
+COMMON = F.COMMON
+TOLERANCE = F.RESHARD_TOLERANCE  # its derivation: families.py
 
 needs_training = pytest.mark.skipif(
     installed_training_dir() is None,

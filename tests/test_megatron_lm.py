@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from megatron_muon.megatron.cpu_run import with_cpu_defaults
+from megatron_muon.testing import families
 from megatron_muon.testing.mlm_env import (checkpoint_tensors, failure_report,
                                             installed_training_dir, launch_mlm_runs,
                                             patched_megatron)
@@ -47,16 +48,8 @@ needs_training = pytest.mark.skipif(
     MEGATRON is None, reason="this megatron-core ships no megatron/training (0.16.x); "
                              "runs in the megatron-core 0.19.2 lane")
 
-STEPS, SAVE_AT = 6, 3
-COMMON = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-          "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
-          "--global-batch-size", "8", "--vocab-size", "256", "--lr", "1e-3",
-          "--train-iters", str(STEPS), "--eval-interval", "1000", "--log-interval", "1",
-          "--seed", "1234", "--hidden-dropout", "0", "--attention-dropout", "0",
-          "--use-distributed-optimizer", "--ckpt-format", "torch_dist",
-          # a collective that waits this long fails with gloo's error naming it, well inside
-          # the launch's timeout (Megatron-LM's default is 10 minutes)
-          "--distributed-timeout-minutes", "4"]
+# the model, the 6 iterations and the checkpoint format every run shares (with the families)
+STEPS, SAVE_AT, COMMON = families.STEPS, families.SAVE_AT, families.COMMON
 
 # Matrix placement / ZeRO-3 vs default DMuon, and TP2 x DP2 vs DP4: the same model and data,
 # only the fp32 summation order differs (gloo's reduce-scatter sums each gradient element

@@ -32,14 +32,8 @@ from megatron_muon.testing import families as F  # noqa: E402
 from megatron_muon.testing.mlm_env import (checkpoint_tensors, launch_mlm_runs,  # noqa: E402
                                             patched_megatron)
 
-COMMON = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-          "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
-          "--global-batch-size", "8", "--vocab-size", "256", "--lr", "1e-3",
-          "--train-iters", str(F.STEPS), "--eval-interval", "1000", "--log-interval", "1",
-          "--seed", "1234", "--hidden-dropout", "0", "--attention-dropout", "0",
-          "--use-distributed-optimizer", "--ckpt-format", "torch_dist",
-          "--distributed-timeout-minutes", "4"]
-TOLERANCE = 3e-4  # tests/test_families.py (fp32 reshards)
+COMMON = F.COMMON
+TOLERANCE = F.RESHARD_TOLERANCE  # fp32 reshards (its derivation: families.py)
 
 
 def _first_error(out: Path, name: str) -> str:

@@ -20,6 +20,19 @@ import itertools
 from dataclasses import dataclass
 
 STEPS, SAVE_AT = 6, 3
+# every case's common Megatron-LM flags: a 2-layer model, 6 iterations, checkpoints in
+# torch_dist (a collective that waits 4 minutes fails with gloo's error naming it)
+COMMON = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+          "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+          "--global-batch-size", "8", "--vocab-size", "256", "--lr", "1e-3",
+          "--train-iters", str(STEPS), "--eval-interval", "1000", "--log-interval", "1",
+          "--seed", "1234", "--hidden-dropout", "0", "--attention-dropout", "0",
+          "--use-distributed-optimizer", "--ckpt-format", "torch_dist",
+          "--distributed-timeout-minutes", "4"]
+# A checkpoint resumed at another layout: the same model and data, only the fp32 summation
+# order differs (TP splits inner products, EP regroups the experts' tokens, PP moves nothing);
+# tests/test_megatron_lm.py's TOLERANCE derives this bound on the losses for fp32 NS.
+RESHARD_TOLERANCE = 3e-4
 
 GQA = ["--group-query-attention", "--num-query-groups", "2"]
 SWIGLU_RMS_ROPE = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
