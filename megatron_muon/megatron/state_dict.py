@@ -157,18 +157,19 @@ class ModelSpaceStateMixin:
         for i, (p, r, flat) in enumerate(self._held_in_order(missing_as_zeros=saving)):
             if p not in meta:
                 raise ValueError("model parameter missing from the model sharded_state_dict")
-            # [(flat start, ShardedTensor, block)]: the own range cut at the model's pieces
-            # (one for a ShardedTensor, gate and up for a GLU factory), then into blocks
+            # [(flat start, ShardedTensor, offset in it, shape)]: the own range cut at the
+            # model's parts (one for a ShardedTensor, gate and up for a GLU factory), then
+            # into blocks
             blocks = []
             for start, sh in model_pieces(meta[p], p):
                 lo, hi = max(r.start, start), min(r.end, start + sh.data.numel())
-                blocks += [(start + b, sh, (b, offset, shape)) for b, offset, shape in
-                           (flat_range_blocks(tuple(sh.local_shape), lo - start, hi - start)
-                            if lo < hi else ())]
+                if lo < hi:
+                    blocks += [(start + b, sh, offset, shape) for b, offset, shape in
+                               flat_range_blocks(tuple(sh.local_shape), lo - start, hi - start)]
             out[i] = {}
             for key, t in flat.items():
                 pieces = {}
-                for j, (lo, sh, (_, offset, shape)) in enumerate(blocks):
+                for j, (lo, sh, offset, shape) in enumerate(blocks):
                     pre = sh.prepend_axis_num
                     n = 1
                     for d in shape:
