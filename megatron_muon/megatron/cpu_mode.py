@@ -172,6 +172,8 @@ def _patch_megatron_norms() -> None:
 
     from megatron.core.transformer import torch_norm
 
+    from megatron_muon.megatron.compat import set_megatron_attr
+
     original = torch_norm.WrappedTorchNorm.__new__
     if getattr(original, "megatron_muon_cpu", False):
         return
@@ -187,7 +189,7 @@ def _patch_megatron_norms() -> None:
         return norm
 
     __new__.megatron_muon_cpu = True
-    torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
+    set_megatron_attr(torch_norm.WrappedTorchNorm, "__new__", staticmethod(__new__))
 
 
 def _patch_megatron_core_attention() -> None:
@@ -199,6 +201,8 @@ def _patch_megatron_core_attention() -> None:
     import math
 
     from megatron.core.transformer import dot_product_attention as dpa
+
+    from megatron_muon.megatron.compat import set_megatron_attr
 
     original = dpa.DotProductAttention.__init__
     if getattr(original, "megatron_muon_cpu", False):
@@ -215,7 +219,7 @@ def _patch_megatron_core_attention() -> None:
                 self.softmax_scale /= self.layer_number
 
     __init__.megatron_muon_cpu = True
-    dpa.DotProductAttention.__init__ = __init__
+    set_megatron_attr(dpa.DotProductAttention, "__init__", __init__)
 
 
 def enable_cpu_mode() -> bool:

@@ -24,7 +24,6 @@ optimizer's ``close()``) undoes:
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 
 import torch.distributed as dist
@@ -135,8 +134,7 @@ def build_dmuon_optimizer(config, model_chunks, config_overrides=None,
         from megatron_muon.megatron.tracing import trace_run
 
         teardown.append(trace_run(model_chunks, chained, config.dmuon_trace_dir))
-    chained.dmuon_teardown = teardown
-    chained.close = functools.partial(close_optimizer, chained)
+    chained.dmuon_teardown.extend(teardown)
     return chained
 
 
@@ -147,7 +145,17 @@ class DMuonChainedOptimizer(ChainedOptimizer):
     Megatron gives MoE experts their own process groups (and so dmuon its expert optimizers)
     only when ``--expert-model-parallel-size`` > 1 or ``--expert-tensor-parallel-size``
     differs from ``--tensor-model-parallel-size``; the parameter state reshards either way
-    (it is keyed by parameter), but the parts' list does not."""
+    (it is keyed by parameter), but the parts' list does not.
+
+    ``dmuon_teardown``: what the build installed besides the parts' own hooks (QK-clip's
+    recorders, trace hooks), in build order; ``close()`` takes all of it back."""
+
+    def __init__(self, chained_optimizers):
+        super().__init__(chained_optimizers)
+        self.dmuon_teardown: list = []
+
+    def close(self) -> None:
+        close_optimizer(self)
 
     def load_state_dict(self, state_dict):
         if len(self.chained_optimizers) > 1 and len(state_dict) != len(self.chained_optimizers):
