@@ -607,7 +607,7 @@ def test_patched_training_builds_dmuon_optimizer(patched_tree, placement):
     lines = [l for l in out.stdout.splitlines() if l.startswith("SETUP ")]
     assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
     assert lines[-1].split()[1:] == [
-        "ChainedOptimizer", "DMuonDistributedOptimizer,SubsetDistributedOptimizer",
+        "DMuonChainedOptimizer", "DMuonDistributedOptimizer,SubsetDistributedOptimizer",
         "DMuonOptimizerConfig", "dmuon", "simple", "OptimizerParamScheduler",
         "_ParamAndGradBuffer" if placement == "dmuon" else "MatrixPlacedBuffer", extra[1],
         "zero3" if placement == "zero3" else "zero1"]
