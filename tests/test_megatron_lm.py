@@ -40,7 +40,6 @@ from megatron_muon.testing.mlm_env import (checkpoint_tensors, failure_report,
                                             patched_megatron)
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "megatron_muon" / "testing" / "mlm_gpt.py"
 
 
 MEGATRON = installed_training_dir().parent if installed_training_dir() else None
