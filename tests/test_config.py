@@ -38,6 +38,9 @@ def cfg(**kw):
      "dmuon_placement='dmuon' \\(got optimizer='muon_naive' and dmuon_placement='matrix'\\)"),
     (dict(dmuon_split="sometimes"), "dmuon_split 'sometimes' is unknown; choose one of auto, off"),
     (dict(dmuon_split_parts=1), "dmuon_split_parts must be an integer >= 2, got 1"),
+    (dict(muon_coefficient_type="cubic5", muon_num_ns_steps=4),
+     "muon_coefficient_type with muon_num_ns_steps 4: the 'cubic5' coefficient set is a fixed "
+     "5-step schedule"),
     (dict(dmuon_split_parts=2, dmuon_placement="matrix"),
      "dmuon_split_parts=2 does not work with dmuon_placement='matrix'"),
     (dict(dmuon_split_parts=2, dmuon_split="off"), "dmuon_split='off'"),

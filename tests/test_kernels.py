@@ -26,8 +26,8 @@ import torch
 
 from megatron_muon.kernels import available_backends, batched_newton_schulz, get_backend
 from megatron_muon.kernels.backends import torch_batched, torch_gram, torch_loop
-from megatron_muon.core.newton_schulz import (COEFFICIENT_SETS, default_gram_restart, newton_schulz, ns_flops,
-                                         resolve_coefficients)
+from megatron_muon.core.newton_schulz import (COEFFICIENT_SETS, FIXED_STEP_SETS, default_gram_restart,
+                                         newton_schulz, ns_flops, resolve_coefficients)
 
 REPO = Path(__file__).resolve().parents[1]
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -46,10 +46,16 @@ def _input(batch, m, n, seed=0):
     return torch.randn(*shape, generator=g)
 
 
+#: Emerging-Optimizers' rule past a table's end (its ``newton_schulz``): these sets repeat
+#: their last triple, every other one starts again from its first.
+REPEAT_LAST = ("polar_express", "cans", "deepseekv4")
+
+
 def ns_fp64(x: torch.Tensor, name: str, steps: int, eps: float = 1e-7) -> torch.Tensor:
     """Newton-Schulz written out in fp64, from the coefficient table alone: per matrix
     X = U / (||U||_F + eps), transposed if tall; per step (a, b, c) (the table's i-th
-    triple, its last one repeated past its end) A = X X^T, B = b A + c A^2, X = a X + B X."""
+    triple; past its end its last one for ``REPEAT_LAST``, else the table again from the
+    start) A = X X^T, B = b A + c A^2, X = a X + B X."""
     table = COEFFICIENT_SETS[name]
     X = x.double() if x.ndim == 3 else x.double().unsqueeze(0)
     tall = X.shape[-2] > X.shape[-1]
@@ -57,7 +63,7 @@ def ns_fp64(x: torch.Tensor, name: str, steps: int, eps: float = 1e-7) -> torch.
         X = X.transpose(-2, -1)
     X = X / ((X * X).sum(dim=(-2, -1), keepdim=True).sqrt() + eps)
     for i in range(steps):
-        a, b, c = table[min(i, len(table) - 1)]
+        a, b, c = table[min(i, len(table) - 1)] if name in REPEAT_LAST else table[i % len(table)]
         A = X @ X.transpose(-2, -1)
         B = b * A + c * (A @ A)
         X = a * X + B @ X
@@ -92,7 +98,8 @@ BACKENDS = ("torch_batched", "torch_loop", "torch_gram", "auto")
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name,steps", [("quintic", 5), ("simple", 5), ("polar_express", 8),
-                                        ("cubic", 10)])
+                                        ("cubic", 10), ("aol", 4),
+                                        ("deepseekv4", 10), ("cubic5", 5)])
 def test_backends_equal_an_independent_fp64_loop(name, steps, dtype):
     """Every torch backend and the reference, on wide, tall, square and batched inputs,
     within ``ns_tolerance`` of ``ns_fp64``; torch_loop is per matrix."""
@@ -130,17 +137,18 @@ def test_ns_in_workspace_is_bitwise_newton_schulz():
     """``newton_schulz_in_workspace`` (the owners' NS: every iterate and product in one
     caller's workspace, ``out=`` ops) runs the same ops on the same values in the same
     memory layouts as ``newton_schulz``, so the result is bitwise equal: fp32 and bf16,
-    every coefficient set (cubic: c = 0), wide, tall and square batches, including the
-    tall 2048 x 512 shape where bf16 products on a transposed layout round differently on
-    the CPU (which the workspace keeps for the first step, as ``newton_schulz`` does).  It
-    writes nothing outside ``ns_workspace_numel`` elements and never writes ``x``."""
+    every coefficient set (cubic, cubic5: c = 0), wide, tall and square batches, and (for
+    one set: the shape, not the scalars, decides it) the tall 2048 x 512 shape where bf16
+    products on a transposed layout round differently on the CPU (which the workspace
+    keeps for the first step, as ``newton_schulz`` does).  It writes nothing outside
+    ``ns_workspace_numel`` elements and never writes ``x``."""
     from megatron_muon.core.newton_schulz import newton_schulz_in_workspace, ns_workspace_numel
 
     g = torch.Generator().manual_seed(0)
-    shapes = [(3, 16, 48), (2, 48, 16), (4, 32, 32), (1, 256, 64), (5, 8, 8), (1, 2048, 512)]
+    shapes = [(3, 16, 48), (2, 48, 16), (4, 32, 32), (1, 256, 64), (5, 8, 8)]
     for dtype in (torch.float32, torch.bfloat16):
         for name in COEFFICIENT_SETS:
-            for shape in shapes:
+            for shape in shapes + [(1, 2048, 512)] * (name == "quintic"):
                 x = torch.randn(*shape, generator=g)
                 x0 = x.clone()
                 need = ns_workspace_numel(*shape)
@@ -254,6 +262,18 @@ def _well_conditioned_inputs() -> dict[str, torch.Tensor]:
 #   polar_express k=5  0.870..1.124 / 0.868..1.125   -> (0.84, 1.15)
 #   polar_express k=8  |s-1| 1e-6   / 4.6e-3         -> 1e-3 / 1e-2
 #   cubic k=30         |s-1| 1e-7   / 1.6e-3         -> 1e-4 / 5e-3
+#   cans               not here, nor in the fp32 / bf16 backend and Gram tests: on these
+#                      Gaussian inputs its second step takes singular values down to 0.036,
+#                      next to a zero of p2(p1(s)), where one rounding can flip a singular
+#                      direction's sign (bf16 vs fp64: 1.38 relative; a bf16 singular value
+#                      of 1.94).  Held to its definition in fp64 (the polynomial test below)
+#                      and to Emerging-Optimizers' table and schedule
+#                      (test_coefficient_sets_are_emerging_optimizers').
+#   aol k=4            0.987..1.024 / 0.985..1.024   -> (0.97, 1.04); at k=5 the cycle
+#                      comes back to its first triple, p(1) = -0.585: 0.52..0.70, as in
+#                      Emerging-Optimizers (AOL is a 4-step schedule)
+#   deepseekv4 k=10    |s-1| 5.4e-4 / 5.5e-3         -> 1e-3 / 1e-2 (k=5: simple's band)
+#   cubic5 k=5         0.774..1.300 / 0.768..1.300   -> (0.75, 1.32)
 # A wrong table shows: e.g. 'simple' used for 'quintic' gives 0.68..1.13 (fails 0.95),
 # 'quintic' repeated for polar_express's last steps leaves |s-1| ~3e-2 (fails 1e-3).
 BANDS = [
@@ -262,6 +282,10 @@ BANDS = [
     ("polar_express", 5, (0.84, 1.15), (0.84, 1.15)),
     ("polar_express", 8, (1 - 1e-3, 1 + 1e-3), (1 - 1e-2, 1 + 1e-2)),
     ("cubic", 30, (1 - 1e-4, 1 + 1e-4), (1 - 5e-3, 1 + 5e-3)),
+    ("aol", 4, (0.97, 1.04), (0.97, 1.04)),
+    ("aol", 5, (0.50, 0.71), (0.50, 0.71)),
+    ("deepseekv4", 10, (1 - 1e-3, 1 + 1e-3), (1 - 1e-2, 1 + 1e-2)),
+    ("cubic5", 5, (0.75, 1.32), (0.75, 1.32)),
 ]
 
 
@@ -297,7 +321,9 @@ def test_singular_values_follow_the_scalar_polynomial(name):
     """NS acts on each singular value alone: s_out = p_k(...p_1(s / ||X||_F)) with
     p_i(s) = a s + b s^3 + c s^5.  In float64 this pins every (a, b, c) of the table to
     its step (wrong order, a wrong repeat of the last triple, a typo all show)."""
-    steps = 9  # one past polar_express's 8 triples: exercises the repeat rule
+    # one past deepseekv4's 10 triples: every set's repeat / cycle rule runs (cubic5 runs
+    # only at its 5 steps)
+    steps = len(COEFFICIENT_SETS[name]) if name in FIXED_STEP_SETS else 11
     x = _input(2, 24, 40, seed=3).double()
     out = batched_newton_schulz(x, steps=steps, coefficients=name, dtype=torch.float64, eps=0.0)
     s = torch.linalg.svdvals(x) / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)[..., 0]
@@ -305,6 +331,35 @@ def test_singular_values_follow_the_scalar_polynomial(name):
         s = a * s + b * s**3 + c * s**5
     expected = s.abs().sort(dim=-1, descending=True).values
     assert torch.allclose(torch.linalg.svdvals(out), expected, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.timeout(60)
+def test_coefficient_sets_are_emerging_optimizers(monkeypatch):
+    """Every set Emerging-Optimizers (the Newton-Schulz of Megatron-Core's own Muon) knows
+    is here with the same triples, and the schedule past a table's end (cycle, or repeat
+    the last) is its schedule: its ``newton_schulz`` is run with a step function that
+    records the (a, b, c) it is given, for 1..11 steps, and that list must equal
+    ``resolve_coefficients`` exactly (what every path here runs; the polynomial test above
+    holds ``newton_schulz`` to the list).  Skips where it is not installed (the
+    megatron-core 0.16 lane)."""
+    eo = pytest.importorskip("emerging_optimizers.orthogonalized_optimizers.muon_utils")
+    theirs = {k: v for k, v in eo._COEFFICIENT_SETS.items() if k != "custom"}
+    assert set(theirs) <= set(COEFFICIENT_SETS), set(theirs) - set(COEFFICIENT_SETS)
+    seen = []
+
+    def recording_step(X, a, b, c, **_):
+        seen.append((a, b, c))
+        return X
+
+    monkeypatch.setattr(eo, "newton_schulz_step", recording_step)
+    for name, table in theirs.items():
+        assert [tuple(t) for t in table] == list(COEFFICIENT_SETS[name]), name
+        for steps in [len(table)] if name in FIXED_STEP_SETS else range(1, 12):
+            seen.clear()
+            eo.newton_schulz(torch.randn(8, 12), steps, coefficient_type=name)
+            assert seen == resolve_coefficients(name, steps), (name, steps)
+    with pytest.raises(ValueError, match="fixed 5-step"):
+        resolve_coefficients("cubic5", 4)
 
 
 # ---------------------------------------------------------------- errors
@@ -434,7 +489,8 @@ def test_triton_interpreted_matches_torch(tmp_path):
 
 # ---------------------------------------------------------------- Gram Newton-Schulz
 # Same polynomial on the Gram matrix (docs/design.md#gram-newton-schulz).
-NS_RUNS = [("quintic", 5), ("simple", 5), ("polar_express", 5), ("polar_express", 8), ("cubic", 10)]
+NS_RUNS = [("quintic", 5), ("simple", 5), ("polar_express", 5), ("polar_express", 8), ("cubic", 10),
+           ("deepseekv4", 10)]
 GRAM_SHAPES = SHAPES + [(2, 64, 256), (2, 256, 64)]
 
 

@@ -61,6 +61,22 @@ def test_split_units_equal_whole_ns_in_fp32():
     assert forms == {"b", "ay"}
 
 
+def test_split_units_run_a_per_step_schedule():
+    """DeepSeek-V4's hybrid schedule (10 steps: 8 of 'simple', then 2 settling ones) on units
+    cut into 2 parts: each step's (a, b, c) is the whole unit's.  Tolerance as in
+    test_split_units_equal_whole_ns_in_fp32: the summation order differs in the same way,
+    simple's steps amplify a perturbation by at most |a| = 3.4 on small singular values and
+    contract it near 1 (slope -0.7 there), the settling steps have slope 0 at 1; a step
+    run with another step's triple is O(1) off."""
+    world = 4
+    want = reference(world, seed=0, steps=10, coefficients="deepseekv4")
+    res = run_ranks("megatron_muon.testing.split_workers:split_run", world,
+                    dict(parts=2, seed=0, steps=10, coefficients="deepseekv4"), timeout=240)
+    assert res[0]["splits"]
+    for r in res:
+        torch.testing.assert_close(r["out"], want[r["rank"]], rtol=0, atol=2e-4)
+
+
 def test_ranks_without_a_part_exchange_nothing():
     """The split all-reduces are point to point among each unit's ranks: with one unit cut
     in 2 on 4 ranks (``names``: only the 34 x 7 matrix), a rank without a

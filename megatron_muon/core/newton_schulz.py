@@ -25,6 +25,8 @@ import torch
 
 __all__ = [
     "COEFFICIENT_SETS",
+    "CYCLING_SETS",
+    "FIXED_STEP_SETS",
     "SCALE_MODES",
     "resolve_coefficients",
     "NS_METHODS",
@@ -40,7 +42,10 @@ __all__ = [
     "ns_flops",
 ]
 
-# Per-step (a, b, c); the last triple repeats when more steps are asked for.
+# Per-step (a, b, c) triples, as Emerging-Optimizers (the Newton-Schulz of Megatron-Core's
+# own Muon) defines them; ``cubic`` is the classic (1.5, -0.5, 0) iteration.  Past a set's
+# end, ``CYCLING_SETS`` start again from its first triple and the others repeat their last
+# (Emerging-Optimizers' rule); a ``FIXED_STEP_SETS`` schedule only runs at its own length.
 COEFFICIENT_SETS: dict[str, tuple[tuple[float, float, float], ...]] = {
     "simple": ((3.4445, -4.7750, 2.0315),),
     "quintic": (
@@ -50,7 +55,7 @@ COEFFICIENT_SETS: dict[str, tuple[tuple[float, float, float], ...]] = {
         (2.8769, -3.1427, 1.2046),
         (2.8366, -3.0525, 1.2012),
     ),
-    "polar_express": (
+    "polar_express": (  # arXiv 2505.16932, with its 1.01^degree safety division
         (8.2051, -22.9019, 16.4607),
         (4.0664, -2.8612, 0.5184),
         (3.9096, -2.8234, 0.5250),
@@ -60,8 +65,34 @@ COEFFICIENT_SETS: dict[str, tuple[tuple[float, float, float], ...]] = {
         (1.8564, -1.2132, 0.3568),
         (1.8750, -1.2500, 0.3750),
     ),
+    "cans": (  # arXiv 2506.10935 (Remez + adaptive interval)
+        (8.4703, -25.1081, 18.6293),
+        (4.1828, -3.1087, 0.5806),
+        (3.9619, -2.9541, 0.5630),
+        (3.2866, -2.4647, 0.5074),
+        (2.2737, -1.6447, 0.4162),
+    ),
+    "aol": (  # flash-newton-schulz's AOL-preconditioned schedule
+        (4.0098, -7.0585, 2.4635),
+        (3.4585, -5.5479, 2.5959),
+        (2.7573, -3.2939, 1.4254),
+        (2.7215, -3.0494, 1.3169),
+    ),
+    # DeepSeek-V4's hybrid: 8 fast steps of 'simple', then 2 steps that settle the singular
+    # values at 1 (2 - 1.5 + 0.5 = 1 with slope 0 there); at fewer than 10 steps only the
+    # first ones run, as in Emerging-Optimizers
+    "deepseekv4": ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2,
+    "cubic5": (  # a relaxed cubic five-step schedule (c = 0), Emerging-Optimizers main
+        (3.3656576, -3.3420992, 0.0),
+        (2.5744352, -1.4957376, 0.0),
+        (2.5368962, -1.4312570, 0.0),
+        (2.4418906, -1.2764040, 0.0),
+        (2.2230472, -0.9630650, 0.0),
+    ),
     "cubic": ((1.5, -0.5, 0.0),),
 }
+CYCLING_SETS = frozenset({"simple", "quintic", "aol", "cubic5", "cubic"})
+FIXED_STEP_SETS = frozenset({"cubic5"})
 
 SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
 
@@ -70,7 +101,8 @@ Coefficients = Union[str, Sequence[Sequence[float]]]
 
 
 def resolve_coefficients(coefficients: Coefficients, steps: int) -> list[tuple[float, float, float]]:
-    """Return exactly ``steps`` (a, b, c) triples for a named set or an explicit list."""
+    """Return exactly ``steps`` (a, b, c) triples for a named set (past its end cycling or
+    repeating the last, ``CYCLING_SETS``) or an explicit list (its last triple repeated)."""
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"ns_steps must be an integer >= 1, got {steps!r}")
     if isinstance(coefficients, str):
@@ -80,6 +112,11 @@ def resolve_coefficients(coefficients: Coefficients, steps: int) -> list[tuple[f
                 f"choose one of {sorted(COEFFICIENT_SETS)}"
             )
         table = COEFFICIENT_SETS[coefficients]
+        if coefficients in FIXED_STEP_SETS and steps != len(table):
+            raise ValueError(f"the {coefficients!r} coefficient set is a fixed {len(table)}-step "
+                             f"schedule; use ns_steps={len(table)}, got {steps}")
+        if coefficients in CYCLING_SETS:
+            return [tuple(table[i % len(table)]) for i in range(steps)]
     else:
         table = tuple(tuple(float(v) for v in t) for t in coefficients)
         if not table or any(len(t) != 3 for t in table):

@@ -379,15 +379,13 @@ def check_dmuon_settings(get: Callable[[str], Any], *, cli: bool,
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         fail(f"{N('muon_num_ns_steps')} must be an integer >= 1, got {steps}")
     coeff = get("muon_coefficient_type")
-    if isinstance(coeff, str):
-        if coeff not in COEFFICIENT_SETS:
-            fail(f"{N('muon_coefficient_type')} {coeff!r} is unknown to {optimizer}; "
-                 f"choose one of {', '.join(sorted(COEFFICIENT_SETS))}")
-    else:  # the Python API also takes explicit (a, b, c) triples
-        try:
-            resolve_coefficients(coeff, steps)
-        except (TypeError, ValueError) as err:
-            fail(f"{N('muon_coefficient_type')}: {err}")
+    if isinstance(coeff, str) and coeff not in COEFFICIENT_SETS:
+        fail(f"{N('muon_coefficient_type')} {coeff!r} is unknown to {optimizer}; "
+             f"choose one of {', '.join(sorted(COEFFICIENT_SETS))}")
+    try:  # the Python API also takes explicit (a, b, c) triples; cubic5 needs 5 steps
+        resolve_coefficients(coeff, steps)
+    except (TypeError, ValueError) as err:
+        fail(f"{N('muon_coefficient_type')} with {N('muon_num_ns_steps')} {steps}: {err}")
     factor = get("muon_extra_scale_factor")
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or \
             not math.isfinite(factor) or factor <= 0:

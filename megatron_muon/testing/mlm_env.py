@@ -23,18 +23,28 @@ SCRIPT = Path(__file__).resolve().parent / "mlm_gpt.py"
 REPO = Path(__file__).resolve().parents[2]
 
 
-def patched_megatron(root: Path) -> Path:
-    """Copy the installed ``megatron/`` tree (with ``training``) into ``root`` and apply
-    ``patches/megatron-lm-dmuon.patch`` there (the environment is never touched); ``root``."""
+def patched_megatron(root: Path, checkout: Optional[Path] = None) -> Path:
+    """Copy the installed ``megatron/`` tree (with ``training``), or that of a Megatron-LM
+    ``checkout`` together with its top-level scripts (``pretrain_gpt.py`` and the modules it
+    imports), into ``root`` and apply ``patches/megatron-lm-dmuon.patch`` there (neither the
+    environment nor the checkout is touched); ``root``."""
     import shutil
     import subprocess
     import sys
 
-    training = installed_training_dir()
-    if training is None:
-        raise RuntimeError("this megatron-core ships no megatron/training (0.16.x)")
-    shutil.copytree(training.parent, root / "megatron",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    if checkout is not None:
+        if not (checkout / "pretrain_gpt.py").is_file():
+            raise RuntimeError(f"{checkout} is not a Megatron-LM checkout (no pretrain_gpt.py)")
+        source = checkout / "megatron"
+        root.mkdir(parents=True, exist_ok=True)
+        for script in checkout.glob("*.py"):
+            shutil.copy2(script, root / script.name)
+    else:
+        training = installed_training_dir()
+        if training is None:
+            raise RuntimeError("this megatron-core ships no megatron/training (0.16.x)")
+        source = training.parent
+    shutil.copytree(source, root / "megatron", ignore=shutil.ignore_patterns("__pycache__"))
     done = subprocess.run([sys.executable, str(REPO / "patches" / "apply_patch.py"), str(root)],
                           capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
@@ -113,3 +123,46 @@ def launch_in_chunks(root: Path, out: Path, groups: list, argv: list, timeout: i
         if code != 0 or len(got) != len(chunk):
             return code or 1, results, stderr, chunk
     return 0, results, "", runs
+
+
+def logged_losses(log: str) -> dict:
+    """``{iteration: lm loss}`` from Megatron-LM's training log lines."""
+    import re
+
+    return {int(m.group(1)): float(m.group(2)) for m in
+            re.finditer(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)", log)}
+
+
+def launch_stock_runs(root: Path, out: Path, runs: list, argv: list, timeout: int,
+                      nproc: int = 4) -> tuple:
+    """Run each of ``runs`` (``[[name, extra args], ...]``) as its own launch of the stock
+    ``root/pretrain_gpt.py`` (``patched_megatron(root, checkout)``) on ``nproc`` CPU ranks
+    with the common arguments ``argv``; each run's output goes to ``out/<name>.log``.
+    ``(returncode of the first failing run or 0, {run name: {"losses": [...],
+    "first_iteration": n}} for the runs that finished, "")``: the losses are those
+    Megatron-LM logs (``logged_losses``), so ``--log-interval 1`` belongs in ``argv``."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([str(root), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    code, results = 0, {}
+    for name, extra in runs:
+        try:
+            proc = subprocess.run([sys.executable, "-m", "megatron_muon.megatron.cpu_run",
+                                   "--nproc", str(nproc), "--timeout", str(timeout),
+                                   str(root / "pretrain_gpt.py"), *argv, *extra], cwd=root,
+                                  env=env, capture_output=True, text=True, timeout=timeout + 60)
+            rc, log = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, log = 124, f"{e.stdout or ''}{e.stderr or ''}\nTimeoutError: {timeout + 60} s"
+        (out / f"{name}.log").write_text(log if isinstance(log, str) else log.decode())
+        losses = logged_losses(log) if rc == 0 else {}
+        if losses:
+            first = min(losses)
+            results[name] = {"losses": [losses[i] for i in sorted(losses)],
+                             "first_iteration": first}
+        else:
+            code = code or rc or 1
+    return code, results, ""
