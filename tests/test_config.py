@@ -29,6 +29,10 @@ def cfg(**kw):
     (dict(muon_ns_method="fast"), "muon_ns_method 'fast' is unknown; choose one of auto, "
                                   "standard, gram"),
     (dict(muon_ns_method="gram", dmuon_ns_backend="triton"), "no Triton Gram kernel"),
+    (dict(muon_ns_method="gram", muon_use_syrk=True),
+     "muon_ns_method='gram' and muon_use_syrk=True: there is no Triton Gram kernel"),
+    (dict(muon_use_syrk=True, dmuon_ns_backend="torch"),
+     "muon_use_syrk=True and dmuon_ns_backend='torch' contradict each other"),
     (dict(dmuon_overlap="maybe"), "dmuon_overlap 'maybe' is unknown; choose one of auto, on, off"),
     (dict(dmuon_locality_slack=-0.5), "dmuon_locality_slack must be a finite number >= 0"),
     (dict(dmuon_adam_params="(unclosed"), "dmuon_adam_params '\\(unclosed' is not a valid"),
@@ -70,6 +74,16 @@ def test_scalar_optimizer_and_lion_settings():
 ])
 def test_megatron_tp_mode_maps_onto_dmuon_tp_mode(megatron, dmuon, expected):
     assert cfg(muon_tp_mode=megatron, dmuon_tp_mode=dmuon).dmuon_tp_mode == expected
+
+
+@pytest.mark.parametrize("syrk,backend,expected", [
+    (False, "auto", "auto"), (True, "auto", "triton"), (True, "triton", "triton"),
+    (False, "torch", "torch")])
+def test_megatron_syrk_flag_maps_onto_the_triton_backend(syrk, backend, expected):
+    """Megatron-Core main's --muon-use-syrk (a Triton SYRK kernel for NS's Gram products)
+    is dmuon's Triton backend, whose kernels compute one triangle of the symmetric
+    products; with --dmuon-ns-backend torch it is refused (test_bad_config_values)."""
+    assert cfg(muon_use_syrk=syrk, dmuon_ns_backend=backend).dmuon_ns_backend == expected
 
 
 def test_megatron_tp_mode_errors():

@@ -235,6 +235,11 @@ class DMuonOptimizerConfig(OptimizerConfig):
         0.95, "Lion: c = beta1 m + (1 - beta1) g gives the sign of the update.")
     lion_beta2: float = setting(
         0.98, "Lion: the state m <- beta2 m + (1 - beta2) g.")
+    # Megatron-Core main's flag for its Triton SYRK Gram kernel: the same idea (compute only
+    # one triangle of the symmetric products) is dmuon's Triton NS backend
+    muon_use_syrk: bool = setting(
+        False, "Megatron-Core's Triton SYRK kernel for the Gram products of Newton-Schulz; "
+        "maps onto --dmuon-ns-backend triton (dmuon's symmetric Triton kernels, CUDA).")
     # Megatron's default is 'blockwise'; here None means "not given": dmuon_tp_mode decides.
     muon_tp_mode: Optional[MegatronTPMode] = setting(
         None, "Megatron-Core's TP mode, mapped onto --dmuon-tp-mode: duplicated and "
@@ -251,6 +256,8 @@ class DMuonOptimizerConfig(OptimizerConfig):
         check_dmuon_settings(lambda name: getattr(self, name, None), cli=False)
         super().__post_init__()
         self.dmuon_tp_mode = resolve_tp_mode(self.muon_tp_mode, self.dmuon_tp_mode)
+        if self.muon_use_syrk:  # check_dmuon_settings refused a contradicting backend
+            self.dmuon_ns_backend = "triton"
         self.dmuon_moment2 = resolve_moment2(self.adaptive_muon_moment2_method, self.dmuon_moment2)
 
     def overlap_policy(self, pp_size: int) -> str:
@@ -406,9 +413,14 @@ def check_dmuon_settings(get: Callable[[str], Any], *, cli: bool,
         if value not in allowed:
             fail(f"{N(f.name)} {value!r} is unknown; choose one of {', '.join(allowed)}")
 
-    if get("muon_ns_method") == "gram" and get("dmuon_ns_backend") == "triton":
-        fail(f"{s.both(('muon_ns_method', 'gram'), ('dmuon_ns_backend', 'triton'))}: there is "
-             f"no Triton Gram kernel; use {s.set('dmuon_ns_backend', 'auto')} or "
+    if get("muon_use_syrk") and get("dmuon_ns_backend") == "torch":
+        fail(f"{s.both(('muon_use_syrk', True), ('dmuon_ns_backend', 'torch'))} contradict each "
+             f"other: the SYRK kernel is dmuon's Triton backend; drop one")
+    if get("muon_ns_method") == "gram" and (get("dmuon_ns_backend") == "triton" or
+                                            get("muon_use_syrk")):
+        triton = ("muon_use_syrk", True) if get("muon_use_syrk") else ("dmuon_ns_backend", "triton")
+        fail(f"{s.both(('muon_ns_method', 'gram'), triton)}: there is no Triton Gram kernel; "
+             f"use {s.set(*triton[:1], False if triton[1] is True else 'auto')} or "
              f"{s.set('muon_ns_method', 'standard')}")
 
     try:
