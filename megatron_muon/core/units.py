@@ -21,6 +21,7 @@ __all__ = [
     "Unit",
     "whole_units",
     "qkv_units",
+    "head_units",
     "gate_up_units",
     "expert_units",
     "extract_unit",
@@ -72,22 +73,52 @@ def whole_units(shape: Sequence[int]) -> list[Unit]:
 
 
 def qkv_units(shape: Sequence[int], num_query_groups: int, heads_per_group: int,
-              head_dim: int) -> list[Unit]:
-    """Q, K, V units of Megatron's fused ``linear_qkv`` weight (rows interleaved per group)."""
+              head_dim: int, *, gate: bool = False, per_head: bool = False) -> list[Unit]:
+    """Q, K, V units of Megatron's fused ``linear_qkv`` weight, whose rows are interleaved
+    per query group as [q, k, v] (``gate``: gated attention's [q, gate, k, v], the gate one
+    row block per query head like q).  ``per_head``: one unit per attention head of q (and
+    of the gate) and per query group of k and v, instead of one unit each for all of Q, K
+    and V."""
     m, n = _check_2d(shape)
     q = heads_per_group * head_dim
-    per_group = q + 2 * head_dim
+    per_group = q * (2 if gate else 1) + 2 * head_dim
     if per_group * num_query_groups != m:
+        what = "2 x " if gate else ""
         raise ValueError(
             f"linear_qkv weight has {m} rows, but {num_query_groups} query groups x "
-            f"({heads_per_group} heads x {head_dim} + 2 x {head_dim}) = {per_group * num_query_groups}"
+            f"({what}{heads_per_group} heads x {head_dim} + 2 x {head_dim}) = "
+            f"{per_group * num_query_groups}"
         )
     starts = [g * per_group for g in range(num_query_groups)]
-    return [
-        Unit((m, n), 0, tuple((s, q) for s in starts), "q"),
-        Unit((m, n), 0, tuple((s + q, head_dim) for s in starts), "k"),
-        Unit((m, n), 0, tuple((s + q + head_dim, head_dim) for s in starts), "v"),
-    ]
+    k_at = q * (2 if gate else 1)
+    blocks = [("q", 0, q)] + [("gate", q, q)] * gate + [("k", k_at, head_dim),
+                                                        ("v", k_at + head_dim, head_dim)]
+    if not per_head:
+        return [Unit((m, n), 0, tuple((s + at, size) for s in starts), tag)
+                for tag, at, size in blocks]
+    units = []
+    for tag, at, size in blocks:  # q0 q1 ... (per head), k0 k1 ... (per query group)
+        heads = heads_per_group if tag in ("q", "gate") else 1
+        units += [Unit((m, n), 0, ((s + at + h * head_dim, head_dim),), f"{tag}{g * heads + h}")
+                  for g, s in enumerate(starts) for h in range(heads)]
+    return units
+
+
+def head_units(shape: Sequence[int], num_heads: int, parts: Sequence[tuple[str, int]]) -> list[Unit]:
+    """One unit per attention head and part of a weight whose rows are per head
+    [part_0, part_1, ...] (``parts``: (tag, rows) each): MLA's ``linear_q_up_proj`` (one
+    part: the head's q) and ``linear_kv_up_proj`` (k without RoPE, then v)."""
+    m, n = _check_2d(shape)
+    per_head = sum(rows for _, rows in parts)
+    if per_head * num_heads != m:
+        raise ValueError(f"weight has {m} rows, but {num_heads} heads x {per_head} = "
+                         f"{per_head * num_heads}")
+    units, at = [], 0
+    for tag, rows in parts:
+        units += [Unit((m, n), 0, ((h * per_head + at, rows),), f"{tag}{h}")
+                  for h in range(num_heads)]
+        at += rows
+    return units
 
 
 def gate_up_units(shape: Sequence[int]) -> list[Unit]:

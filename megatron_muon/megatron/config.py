@@ -52,6 +52,7 @@ NSBackend = Literal["auto", "torch", "triton"]
 Placement = Literal["dmuon", "matrix"]
 TPMode = Literal["exact", "blockwise"]
 OverlapMode = Literal["auto", "on", "off"]
+QKVSplit = Literal["qkv", "head"]
 SplitMode = Literal["auto", "off"]
 ScalarOptimizer = Literal["adam", "lion"]
 MegatronTPMode = Literal["duplicated", "distributed", "blockwise"]
@@ -126,6 +127,10 @@ class DMuonOptimizerConfig(OptimizerConfig):
         "standard).")
 
     # --- DMuon ---
+    dmuon_qkv_split: QKVSplit = setting(
+        "qkv", "With --muon-split-qkv (the default): qkv = Q, K and V (and gated attention's "
+        "gate) are one Newton-Schulz unit each; head = one unit per attention head of Q, per "
+        "query group of K and V, and per head of MLA's up-projections.")
     dmuon_split_fc1: bool = setting(
         False, "Orthogonalize a SwiGLU linear_fc1 as separate gate and up units.")
     dmuon_adam_params: Optional[str] = setting(
@@ -413,6 +418,9 @@ def check_dmuon_settings(get: Callable[[str], Any], *, cli: bool,
         if value not in allowed:
             fail(f"{N(f.name)} {value!r} is unknown; choose one of {', '.join(allowed)}")
 
+    if get("dmuon_qkv_split") == "head" and get("muon_split_qkv") is False:
+        fail(f"{s.both(('dmuon_qkv_split', 'head'), ('muon_split_qkv', False))} contradict each "
+             f"other: per-head units are a split of the fused QKV; drop one")
     if get("muon_use_syrk") and get("dmuon_ns_backend") == "torch":
         fail(f"{s.both(('muon_use_syrk', True), ('dmuon_ns_backend', 'torch'))} contradict each "
              f"other: the SYRK kernel is dmuon's Triton backend; drop one")

@@ -391,7 +391,8 @@ def matrices_from_slices(params: Sequence[MuonParam], gathered: Sequence[tuple],
             check_whole(p.key, p.numel, pieces[p.key], tp_size if dim is not None else world)
         shape = tuple(p.shape) if blockwise else full_shape_of(p.shape, dim, tp_size)
         units = muon_units(p.name, shape, model_config, split_qkv=cfg.muon_split_qkv,
-                           split_fc1=cfg.dmuon_split_fc1, tp_size=tp_size)
+                           split_fc1=cfg.dmuon_split_fc1, tp_size=tp_size,
+                           qkv_split=cfg.dmuon_qkv_split)
         ps = tuple(Piece(rank=g, tp_rank=t, start=s, end=e, local_offset=o,
                          source=dim is not None or t == 0)
                    for g, t, s, e, o in sorted(pieces[p.key]))

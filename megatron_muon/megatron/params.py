@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from megatron_muon.core.units import Unit, gate_up_units, qkv_units, whole_units
+from megatron_muon.core.units import Unit, gate_up_units, head_units, qkv_units, whole_units
 
 __all__ = ["is_muon_matrix", "check_expert_layout", "muon_units", "full_shape", "tp_partition_dim"]
 
@@ -83,14 +83,31 @@ def full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, int]:
     return int(m), int(n)
 
 
+#: MLA's per-head up-projections (and its q projection without a q LoRA): the parts of
+#: each head's rows, from the model config
+MLA_HEAD_PARTS = {
+    "linear_q_up_proj.weight": lambda c: [("q", c.qk_head_dim + c.qk_pos_emb_head_dim)],
+    "linear_q_proj.weight": lambda c: [("q", c.qk_head_dim + c.qk_pos_emb_head_dim)],
+    "linear_kv_up_proj.weight": lambda c: [("k", c.qk_head_dim), ("v", c.v_head_dim)],
+}
+
+
 def muon_units(name: str, shape: tuple[int, int], model_config, *, split_qkv: bool,
-               split_fc1: bool, tp_size: int) -> list[Unit]:
-    """Units of one full (TP-unsharded, shards concatenated in TP order) parameter."""
+               split_fc1: bool, tp_size: int, qkv_split: str = "qkv") -> list[Unit]:
+    """Units of one full (TP-unsharded, shards concatenated in TP order) parameter.
+    ``qkv_split='head'`` (with ``split_qkv``): one unit per attention head of Q (and of
+    gated attention's gate), per query group of K and V, and per head of MLA's
+    up-projections; ``'qkv'``: Q, K and V (and the gate) one unit each, MLA's whole."""
+    per_head = qkv_split == "head"
     if split_qkv and name.endswith("linear_qkv.weight"):
         heads = model_config.num_attention_heads
         groups = model_config.num_query_groups or heads
         head_dim = model_config.kv_channels or model_config.hidden_size // heads
-        return qkv_units(shape, groups, heads // groups, head_dim)
+        return qkv_units(shape, groups, heads // groups, head_dim, per_head=per_head,
+                         gate=bool(getattr(model_config, "attention_output_gate", False)))
+    mla = next((k for k in MLA_HEAD_PARTS if name.endswith("self_attention." + k)), None)
+    if split_qkv and per_head and mla and getattr(model_config, "multi_latent_attention", False):
+        return head_units(shape, model_config.num_attention_heads, MLA_HEAD_PARTS[mla](model_config))
     if split_fc1 and name.endswith("linear_fc1.weight") and model_config.gated_linear_unit:
         # Each TP shard stores [gate_t; up_t]; concatenated shards interleave them.
         m, n = shape

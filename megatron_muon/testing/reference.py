@@ -65,7 +65,8 @@ def reference_train(cfg: dict, dp_size: int, steps: int = 3, opt: Optional[dict]
     if muon_params:
         units = {p: _blockwise(muon_units(n, tuple(p.shape), model[0].config,
                                           split_qkv=o.muon_split_qkv,
-                                          split_fc1=o.dmuon_split_fc1, tp_size=1),
+                                          split_fc1=o.dmuon_split_fc1, tp_size=1,
+                                          qkv_split=o.dmuon_qkv_split),
                                n, p, model[0], tp_blockwise)
                  for n, p in muon_params.items()}
         opts.append(Muon(list(muon_params.values()), lr=o.lr, momentum=o.muon_momentum,
