@@ -141,7 +141,7 @@ def markdown(rows: list, command: str, stock: bool = False) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairwise", action="store_true", help="only the all-pairs cover (CI's)")
-    ap.add_argument("--cases", default="*", help="glob over case names")
+    ap.add_argument("--cases", default="*", help="globs over case names, comma-separated")
     ap.add_argument("--out-dir", default=None, help="keep the runs here (default: a temp dir)")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--markdown", default=None, help="write the table here")
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
                     help="which of resume,reshard,warm,lora follow each case's training")
     args = ap.parse_args(argv)
     cases = [c for c in (F.pairwise_cases() if args.pairwise else F.all_cases())
-             if fnmatch.fnmatch(c.name, args.cases)]
+             if any(fnmatch.fnmatch(c.name, g) for g in args.cases.split(","))]
     if not cases:
         ap.error(f"no case matches {args.cases!r}")
     lifecycle = tuple(x for x in args.lifecycle.split(",") if x)
