@@ -198,6 +198,27 @@ def test_zero1_layout_follows_megatron_buffer():
 
 
 @pytest.mark.timeout(60)
+def test_peers_spread_ns_over_tp_ranks():
+    """Megatron's TP mode 'layer_sharded' and Canzona's TP micro-groups run each owned
+    matrix's NS on one TP rank: at TP2 x DP2 the busiest rank runs half of what
+    mcore_layerwise / matrix_zero1 run on every TP rank (12 of 24 64x64 units -> 6), and the
+    TP exchange is two all-to-alls of half the owner's local Muon elements instead of one
+    all-gather of them; at TP1 they are mcore_layerwise / matrix_zero1."""
+    m = cm.ModelConfig(name="square", num_layers=4, hidden_size=64, ffn_hidden_size=64,
+                       num_attention_heads=2, vocab_size=64, seq_length=8)
+    one = ns_flops(64, 64, 5) / 1e12
+    for peer, base in (("mcore_layer_sharded", "mcore_layerwise"), ("canzona", "matrix_zero1")):
+        tp2 = cm.predict(m, cm.Layout(tp=2, dp=2), IDEAL, peer, PLAIN)
+        ref = cm.predict(m, cm.Layout(tp=2, dp=2), IDEAL, base, PLAIN)
+        assert ref.breakdown["ns"] == pytest.approx(12 * one), base
+        assert tp2.breakdown["ns"] == pytest.approx(6 * one), peer
+        assert tp2.muon_recv_bytes == pytest.approx(ref.muon_recv_bytes), peer  # 2 x half = all
+        tp1 = cm.predict(m, cm.Layout(tp=1, dp=2), IDEAL, peer, PLAIN)
+        assert tp1.opt_s == pytest.approx(cm.predict(m, cm.Layout(tp=1, dp=2), IDEAL, base,
+                                                     PLAIN).opt_s), peer
+
+
+@pytest.mark.timeout(60)
 def test_mcore_duplicates_ns_on_tp_ranks_and_dmuon_divides_it():
     # 2 heads (TP2 needs heads and query groups divisible by TP, as Megatron does): Q, K, V,
     # proj, fc1, fc2 are still all 64x64

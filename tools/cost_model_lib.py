@@ -43,6 +43,14 @@ Modes (see docs/design.md):
 - ``fsdp2_reconstruct`` (extra, the MatrixFSDP paper's baseline): ZeRO-3 with even shards;
   the optimizer all-gathers every matrix (one call per parameter) and runs all NS on
   every rank.
+- ``mcore_layer_sharded`` (extra, a peer): ``mcore_layerwise`` in its 0.19 layout with
+  Megatron-LM's TP mode 'layer_sharded' (PR 6683): each owned matrix's NS runs on one TP
+  rank, which gathers the other TP shards and sends the results back (two all-to-alls)
+  instead of every TP rank running all of them.
+- ``canzona`` (extra, a peer; arXiv 2602.06079): ``matrix_zero1``'s whole-matrix ZeRO-1
+  placement balanced by NS cost (its alpha-balanced partition; ours stands in for it) and
+  TP micro-groups as in ``mcore_layer_sharded``.  Its asynchronous pipelining of the TP
+  exchange with the NS is not modelled (the exchange is charged in full).
 
 Pure arithmetic: no process group, no model.  The DMuon modes import ``megatron_muon.
 megatron.dmuon`` (and with it Megatron-Core) for its planner, on first use.  A tool, not
@@ -80,7 +88,11 @@ __all__ = [
 
 MODES = ("adamw", "muon_naive", "mcore_layerwise", "dmuon", "dmuon_overlap",
          "matrix_zero1", "matrix_zero3")
-EXTRA_MODES = ("fsdp2_reconstruct",)
+# the peers: Megatron-Core's layer-wise Muon with its TP 'layer_sharded' mode (Megatron-LM
+# PR 6683: each matrix's NS on one TP rank) and Canzona (arXiv 2602.06079: whole matrices
+# per DP rank, balanced by cost, and TP micro-groups); fsdp2_reconstruct: MatrixFSDP's baseline
+PEER_MODES = ("mcore_layer_sharded", "canzona")
+EXTRA_MODES = ("fsdp2_reconstruct",) + PEER_MODES
 
 # Bytes moved through memory per fp32 shard element by one optimizer update (GPU presets):
 # AdamW: master param r/w 8 + grad r 4 + exp_avg r/w 8 + exp_avg_sq r/w 8 + bf16 param w 2.
@@ -334,6 +346,10 @@ MODELS: dict[str, ModelConfig] = {
                                  num_query_groups=4, kv_channels=128, vocab_size=151936,
                                  swiglu=True, num_experts=128, moe_ffn_hidden_size=768,
                                  moe_topk=8, seq_length=4096),
+    # Canzona's largest model (arXiv 2602.06079): Qwen3-32B's published shape
+    "qwen3-32b": ModelConfig(name="qwen3-32b", num_layers=64, hidden_size=5120,
+                             ffn_hidden_size=25600, num_attention_heads=64, num_query_groups=8,
+                             kv_channels=128, vocab_size=151936, swiglu=True, seq_length=4096),
     "kimi-k2": ModelConfig(name="kimi-k2", num_layers=61, hidden_size=7168,
                            ffn_hidden_size=18432, num_attention_heads=64, num_query_groups=8,
                            kv_channels=128, vocab_size=163840, swiglu=True, num_experts=384,
@@ -1101,6 +1117,26 @@ def mcore19_layout(sizes: Sequence[tuple[str, int]], n: int, bucket_elems: Optio
     return owners, padded
 
 
+def _tp_sharded_ns(hw: Hardware, units: Sequence[tuple[int, int]], ttp: int, steps: int,
+                   local_elems: float, elem_bytes: int, gpus_per_node: int) -> tuple:
+    """One DP owner's whole units spread over its ``ttp`` TP ranks instead of every TP rank
+    running all of them (Megatron's TP mode 'layer_sharded', Canzona's micro-groups): LPT
+    by NS flops; each TP rank sends the others its shards of their units and receives
+    theirs of its own, (ttp - 1) / ttp of the owner's local Muon elements, and the results
+    go back the same way: two all-to-alls.  ``(NS seconds of the busiest TP rank, exchange
+    seconds, bytes received, that rank's units)``."""
+    loads, per = [0.0] * ttp, [[] for _ in range(ttp)]
+    for u in sorted(units, key=lambda u: -ns_flops(min(u), max(u), steps)):
+        r = min(range(ttp), key=loads.__getitem__)
+        per[r].append(u)
+        loads[r] += ns_flops(min(u), max(u), steps)
+    times = [_ns_time(hw, us, steps) for us in per]
+    w = max(range(ttp), key=lambda q: times[q])
+    recv = (ttp - 1) / ttp * local_elems * elem_bytes
+    comm = 2 * collective_time(hw, "all_to_all", Group(ttp, 1, gpus_per_node), recv)
+    return times[w], comm, 2 * recv, per[w]
+
+
 def _cost_mcore(st, hw, run, mode) -> _Costs:
     """Megatron-Core layer-wise distributed Muon, muon_tp_mode='duplicated'.
 
@@ -1111,12 +1147,15 @@ def _cost_mcore(st, hw, run, mode) -> _Costs:
     gradients are reduce-scattered and parameters all-gathered by the distributed
     optimizer's bucketed collectives (padded to the largest shard; overlappable); AdamW
     parameters keep Megatron's usual distributed optimizer.
-    Either way each TP rank all-gathers its owned matrices' TP shards and runs the same NS.
+    Either way each TP rank all-gathers its owned matrices' TP shards and runs the same NS;
+    ``mode='mcore_layer_sharded'`` (Megatron's TP mode 'layer_sharded', 0.19 layout) spreads
+    them over the TP ranks instead (``_tp_sharded_ns``).
     """
+    sharded = mode == "mcore_layer_sharded"
     c = _Costs()
     lay = st.layout
     pb, gb, cb = run.param_bytes, run.grad_bytes, run.muon_comm_bytes
-    v19 = run.mcore_layout == "0.19"
+    v19 = run.mcore_layout == "0.19" or sharded
     c.param_gather_overlappable = v19
     c.weights = (pb + gb) * st.local_total  # full params and full fp32 grads
     ns = elem = tp_comm = pg = 0.0
@@ -1161,8 +1200,6 @@ def _cost_mcore(st, hw, run, mode) -> _Costs:
             c.pg_recv += recv
         times = [_ns_time(hw, us, run.ns_steps) for us in units_of]
         w = max(range(n), key=lambda q: times[q])
-        ns += times[w]
-        ws_units += units_of[w]
         mean = sum(flops) / n
         c.imbalance = max(c.imbalance, max(flops) / mean - 1 if mean else 0.0)
         big = max(range(n), key=lambda q: elems[q])
@@ -1172,6 +1209,16 @@ def _cost_mcore(st, hw, run, mode) -> _Costs:
         c.opt_state += 4 * muon_elems[big] + 8 * adam_own
         c.main_state += 4 * elems[big] + 4 * muon_elems[big] + 8 * adam_own
         c.muon_state += 4 * max(muon_elems)
+        if sharded and ttp > 1:
+            t_ns, t_comm, moved, busiest = _tp_sharded_ns(
+                hw, units_of[w], ttp, run.ns_steps, max(muon_elems), cb, lay.gpus_per_node)
+            ns, tp_comm, ws_units = ns + t_ns, tp_comm + t_comm, ws_units + busiest
+            c.muon_recv += moved
+            c.muon_sent += moved
+            c.workspace += 4 * max(muon_elems)
+            continue
+        ns += times[w]
+        ws_units += units_of[w]
         # TP all-gather of the owned matrices' shards; every TP rank runs the same NS
         tp_recv = (ttp - 1) * max(muon_elems) * cb
         tp_comm += collective_time(hw, "all_gather", Group(ttp, 1, lay.gpus_per_node), tp_recv)
@@ -1182,7 +1229,8 @@ def _cost_mcore(st, hw, run, mode) -> _Costs:
     c.workspace += _ns_workspace(ws_units, run.ns_dtype_bytes)
     c.notes.append("owners: Megatron-Core " + (
         "0.19 shard-aligned layout (LPT by size per bucket)" if v19 else
-        "0.16 ping-pong deal of params sorted by size"))
+        "0.16 ping-pong deal of params sorted by size") +
+        ("; NS spread over the TP ranks (layer_sharded)" if sharded else ""))
     return c
 
 
@@ -1232,7 +1280,17 @@ def _cost_matrix(st, hw, run, mode) -> _Costs:
             w = max(range(n), key=lambda q: times[q])
             ns += times[w]
             ws_units += per_rank[w]
-            if ttp > 1:  # a whole matrix is TP shards: gather them, NS duplicated on TP
+            if ttp > 1 and mode == "canzona":  # TP micro-groups: NS spread over TP
+                t_ns, t_comm, moved, busiest = _tp_sharded_ns(
+                    hw, per_rank[w], ttp, run.ns_steps, max(muon_share), cb,
+                    lay.gpus_per_node)
+                ns += t_ns - times[w]
+                ws_units = ws_units[:len(ws_units) - len(per_rank[w])] + busiest
+                tp_comm += t_comm
+                c.muon_recv += moved
+                c.muon_sent += moved
+                c.workspace = max(c.workspace, 4 * max(muon_share))
+            elif ttp > 1:  # a whole matrix is TP shards: gather them, NS duplicated on TP
                 tp_recv = (ttp - 1) * max(muon_share) * cb
                 tp_comm += collective_time(hw, "all_gather", Group(ttp, 1, lay.gpus_per_node),
                                            tp_recv)
@@ -1259,7 +1317,7 @@ def _cost_matrix(st, hw, run, mode) -> _Costs:
     c.bd.update(elementwise=elem, ns=ns, muon_comm=tp_comm)
     c.workspace = max(c.workspace, _ns_workspace(ws_units, run.ns_dtype_bytes))
     layers = max(1, len(_layers_of_stage(st.model, lay.pp)))
-    if mode == "matrix_zero1":
+    if mode in ("matrix_zero1", "canzona"):  # ZeRO-1 geometry
         c.grad_sync = rs
         c.bd["param_gather"] = ag
         c.weights = (pb + gb) * st.local_total
@@ -1294,7 +1352,8 @@ def water_fill(levels: Sequence[float], amount: float) -> list:
 _MODE_COSTS = {"adamw": _cost_adamw, "muon_naive": _cost_zero1_muon, "dmuon": _cost_zero1_muon,
                "dmuon_overlap": _cost_zero1_muon, "mcore_layerwise": _cost_mcore,
                "matrix_zero1": _cost_matrix, "matrix_zero3": _cost_matrix,
-               "fsdp2_reconstruct": _cost_matrix}
+               "fsdp2_reconstruct": _cost_matrix, "mcore_layer_sharded": _cost_mcore,
+               "canzona": _cost_matrix}
 
 
 def predict(model: ModelConfig, layout: Layout, hw: Hardware, mode: str,
