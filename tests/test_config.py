@@ -331,3 +331,23 @@ def test_refusals_of_issue_42_name_the_flag_and_the_fix():
                  ("--enable-cuda-graph",)):  # without ZeRO-3
         args = _parse_megatron_lm(*argv)
         assert validate_dmuon_args(args) is args
+
+
+def test_triton_backend_is_refused_at_setup_where_it_cannot_run(monkeypatch):
+    """--muon-use-syrk (and dmuon_ns_backend='triton') on parameters the Triton kernels
+    cannot run on is refused when the optimizer is built, naming the flag, not at the first
+    step deep inside the NS."""
+    import torch
+
+    from megatron_muon.kernels import backends
+    from megatron_muon.megatron import compat
+
+    monkeypatch.setattr(backends, "triton_usable", lambda device=None: False)
+    chunks = [torch.nn.Linear(2, 2)]
+    with pytest.raises(ValueError, match=r"muon_use_syrk=True \(Megatron-LM: --muon-use-syrk\) "
+                                         r"runs dmuon's Triton .* \(these are on cpu\); drop it"):
+        compat._check_triton_usable(cfg(muon_use_syrk=True), chunks)
+    with pytest.raises(ValueError, match="dmuon_ns_backend='triton' runs dmuon's Triton"):
+        compat._check_triton_usable(cfg(dmuon_ns_backend="triton"), chunks)
+    monkeypatch.setattr(backends, "triton_usable", lambda device=None: True)
+    compat._check_triton_usable(cfg(muon_use_syrk=True), chunks)  # where it runs: nothing

@@ -278,6 +278,25 @@ def check_supported(config, model_chunks, groups) -> None:
                          f"parallel size 1 only (got {groups.expt_tp_size}); set "
                          "expert_tensor_parallel_size=1 (Megatron-LM: "
                          "--expert-tensor-parallel-size 1)")
+    if getattr(config, "dmuon_ns_backend", "auto") == "triton":
+        _check_triton_usable(config, model_chunks)
+
+
+def _check_triton_usable(config, model_chunks) -> None:
+    """The Triton NS backend (``dmuon_ns_backend='triton'``, or Megatron's
+    ``--muon-use-syrk`` mapped onto it) refused at setup where it cannot run, instead of at
+    the first step."""
+    try:
+        from megatron_muon.kernels.backends import triton_usable
+    except ImportError:  # the kernels need torch only; this is belt and braces
+        triton_usable = lambda device: False  # noqa: E731
+    device = next((p.device for c in model_chunks for p in c.parameters()), None)
+    if device is not None and not triton_usable(device):
+        what = "muon_use_syrk=True (Megatron-LM: --muon-use-syrk)" if \
+            getattr(config, "muon_use_syrk", False) else "dmuon_ns_backend='triton'"
+        raise ValueError(f"optimizer={config.optimizer!r} with {what} runs dmuon's Triton "
+                         f"Newton-Schulz kernels, which need triton and CUDA parameters "
+                         f"(these are on {device}); drop it")
 
 
 def _torch_adam_distributed(sub) -> bool:
