@@ -479,10 +479,10 @@ HEAD_CASES = {
 HEAD_OPT = dict(OPT, dmuon_qkv_split="head")
 
 
-@pytest.mark.parametrize("family,layout", [("llama", "tp2dp2"), ("mla", "dp4"),
-                                           ("gated", "tp2dp2")])
+@pytest.mark.parametrize("family,layout", [("mla", "dp4"), ("gated", "tp2dp2")])
 def test_head_wise_qkv_split_equals_reference(family, layout):
     """dmuon with per-head units equals the single-process reference with the same units
+    (gated attention: Llama's GQA and SwiGLU plus a gate block per head)
     (MUON_ATOL's derivation holds: the units are smaller, not longer sums), at DP4 and at
     TP2 x DP2 (the heads of a TP rank's shard are whole units of the full matrix).  And the
     split is real: the attention weights differ from the per-matrix Q / K / V run's by far
@@ -911,7 +911,8 @@ def test_triton_ns_backend_inside_a_dmuon_run():
     interpreter on CPU: fresh rank processes with TRITON_INTERPRET=1, set before triton
     reads it) equals the torch backend's run at TP2 x DP2.  Same gradients, same exchange;
     only the NS kernels' fp32 summation order differs, which the fp32 reference tolerance
-    (MUON_ATOL: summation-order differences amplified by NS) covers over STEPS steps."""
+    (MUON_ATOL: summation-order differences amplified by NS) covers over STEPS steps, so
+    over the 2 steps run here (the interpreter is slow) too."""
     pytest.importorskip("triton")
     tp, pp, world, m = LAYOUTS["tp2dp2"]
 
@@ -919,7 +920,7 @@ def test_triton_ns_backend_inside_a_dmuon_run():
         return merged_params(run_ranks(
             "megatron_muon.testing.workers:train_megatron", world,
             dict(cfg={"num_microbatches": m, "num_layers": 1}, tp=tp, pp=pp,
-                 optimizer="dmuon", opt=dict(OPT, dmuon_ns_backend=backend), steps=STEPS),
+                 optimizer="dmuon", opt=dict(OPT, dmuon_ns_backend=backend), steps=2),
             timeout=600, start="spawn", env={"TRITON_INTERPRET": "1"}))
 
     triton, torch_run = run("triton"), run("torch")

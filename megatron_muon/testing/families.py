@@ -166,8 +166,8 @@ def reshard_layout(case: Case) -> str:
 LORA = ["--optimizer", "smuon", "--lora-rank", "4", "--lora-alpha", "8", "--lr", "3e-3",
         "--lr-decay-style", "constant"]
 # CI's warm starts from AdamW and LoRA fine-tunes: the families and modes they cover
-CI_WARM = ("llama", "qwen3_moe", "deepseek_v3")
-CI_LORA = ("llama", "qwen3")
+CI_WARM = ("qwen3_moe", "deepseek_v3")
+CI_LORA = ("qwen3",)
 
 
 def ci_plan() -> tuple[list, dict]:
