@@ -1278,25 +1278,26 @@ def _cost_matrix(st, hw, run, mode) -> _Costs:
                     per_rank[plan.owners[t.name]].extend(u for _, u in t.units)
             times = [_ns_time(hw, us, run.ns_steps) for us in per_rank]
             w = max(range(n), key=lambda q: times[q])
-            ns += times[w]
-            ws_units += per_rank[w]
             if ttp > 1 and mode == "canzona":  # TP micro-groups: NS spread over TP
                 t_ns, t_comm, moved, busiest = _tp_sharded_ns(
                     hw, per_rank[w], ttp, run.ns_steps, max(muon_share), cb,
                     lay.gpus_per_node)
-                ns += t_ns - times[w]
-                ws_units = ws_units[:len(ws_units) - len(per_rank[w])] + busiest
+                ns += t_ns
+                ws_units += busiest
                 tp_comm += t_comm
                 c.muon_recv += moved
                 c.muon_sent += moved
                 c.workspace = max(c.workspace, 4 * max(muon_share))
-            elif ttp > 1:  # a whole matrix is TP shards: gather them, NS duplicated on TP
-                tp_recv = (ttp - 1) * max(muon_share) * cb
-                tp_comm += collective_time(hw, "all_gather", Group(ttp, 1, lay.gpus_per_node),
-                                           tp_recv)
-                c.muon_recv += tp_recv
-                c.muon_sent += tp_recv
-                c.workspace = max(c.workspace, 4 * ttp * max(muon_share))
+            else:
+                ns += times[w]
+                ws_units += per_rank[w]
+                if ttp > 1:  # a whole matrix is TP shards: gather them, NS duplicated on TP
+                    tp_recv = (ttp - 1) * max(muon_share) * cb
+                    tp_comm += collective_time(hw, "all_gather",
+                                               Group(ttp, 1, lay.gpus_per_node), tp_recv)
+                    c.muon_recv += tp_recv
+                    c.muon_sent += tp_recv
+                    c.workspace = max(c.workspace, 4 * ttp * max(muon_share))
         big = max(range(n), key=lambda q: owned[q])
         pad = max(owned)
         # uneven collectives: NCCL all-gather-v / reduce-scatter-v (grouped broadcasts /

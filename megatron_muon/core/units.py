@@ -81,7 +81,8 @@ def qkv_units(shape: Sequence[int], num_query_groups: int, heads_per_group: int,
     and V."""
     m, n = _check_2d(shape)
     q = heads_per_group * head_dim
-    per_group = q * (2 if gate else 1) + 2 * head_dim
+    k_at = q * (2 if gate else 1)  # k follows q (and the gate) in each group's rows
+    per_group = k_at + 2 * head_dim
     if per_group * num_query_groups != m:
         what = "2 x " if gate else ""
         raise ValueError(
@@ -90,7 +91,6 @@ def qkv_units(shape: Sequence[int], num_query_groups: int, heads_per_group: int,
             f"{per_group * num_query_groups}"
         )
     starts = [g * per_group for g in range(num_query_groups)]
-    k_at = q * (2 if gate else 1)
     blocks = [("q", 0, q)] + [("gate", q, q)] * gate + [("k", k_at, head_dim),
                                                         ("v", k_at + head_dim, head_dim)]
     if not per_head:

@@ -286,10 +286,8 @@ def _check_triton_usable(config, model_chunks) -> None:
     """The Triton NS backend (``dmuon_ns_backend='triton'``, or Megatron's
     ``--muon-use-syrk`` mapped onto it) refused at setup where it cannot run, instead of at
     the first step."""
-    try:
-        from megatron_muon.kernels.backends import triton_usable
-    except ImportError:  # the kernels need torch only; this is belt and braces
-        triton_usable = lambda device: False  # noqa: E731
+    from megatron_muon.kernels.backends import triton_usable  # torch only; triton lazily
+
     device = next((p.device for c in model_chunks for p in c.parameters()), None)
     if device is not None and not triton_usable(device):
         what = "muon_use_syrk=True (Megatron-LM: --muon-use-syrk)" if \

@@ -85,9 +85,10 @@ def full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, int]:
 
 #: MLA's per-head up-projections (and its q projection without a q LoRA): the parts of
 #: each head's rows, from the model config
+_MLA_Q = lambda c: [("q", c.qk_head_dim + c.qk_pos_emb_head_dim)]  # noqa: E731
 MLA_HEAD_PARTS = {
-    "linear_q_up_proj.weight": lambda c: [("q", c.qk_head_dim + c.qk_pos_emb_head_dim)],
-    "linear_q_proj.weight": lambda c: [("q", c.qk_head_dim + c.qk_pos_emb_head_dim)],
+    "linear_q_up_proj.weight": _MLA_Q,
+    "linear_q_proj.weight": _MLA_Q,
     "linear_kv_up_proj.weight": lambda c: [("k", c.qk_head_dim), ("v", c.v_head_dim)],
 }
 
@@ -105,9 +106,11 @@ def muon_units(name: str, shape: tuple[int, int], model_config, *, split_qkv: bo
         head_dim = model_config.kv_channels or model_config.hidden_size // heads
         return qkv_units(shape, groups, heads // groups, head_dim, per_head=per_head,
                          gate=bool(getattr(model_config, "attention_output_gate", False)))
-    mla = next((k for k in MLA_HEAD_PARTS if name.endswith("self_attention." + k)), None)
-    if split_qkv and per_head and mla and getattr(model_config, "multi_latent_attention", False):
-        return head_units(shape, model_config.num_attention_heads, MLA_HEAD_PARTS[mla](model_config))
+    if split_qkv and per_head and getattr(model_config, "multi_latent_attention", False):
+        mla = next((k for k in MLA_HEAD_PARTS if name.endswith("self_attention." + k)), None)
+        if mla:
+            return head_units(shape, model_config.num_attention_heads,
+                              MLA_HEAD_PARTS[mla](model_config))
     if split_fc1 and name.endswith("linear_fc1.weight") and model_config.gated_linear_unit:
         # Each TP shard stores [gate_t; up_t]; concatenated shards interleave them.
         m, n = shape

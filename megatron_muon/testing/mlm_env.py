@@ -4,6 +4,12 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -28,10 +34,6 @@ def patched_megatron(root: Path, checkout: Optional[Path] = None) -> Path:
     ``checkout`` together with its top-level scripts (``pretrain_gpt.py`` and the modules it
     imports), into ``root`` and apply ``patches/megatron-lm-dmuon.patch`` there (neither the
     environment nor the checkout is touched); ``root``."""
-    import shutil
-    import subprocess
-    import sys
-
     if checkout is not None:
         if not (checkout / "pretrain_gpt.py").is_file():
             raise RuntimeError(f"{checkout} is not a Megatron-LM checkout (no pretrain_gpt.py)")
@@ -52,25 +54,29 @@ def patched_megatron(root: Path, checkout: Optional[Path] = None) -> Path:
     return root
 
 
+def _cpu_run(root: Path, script: Path, args: list, timeout: int, nproc: int, cwd: Path,
+             **env) -> subprocess.CompletedProcess:
+    """``script`` with ``args`` on ``nproc`` CPU ranks through ``megatron_muon.megatron.cpu_run``,
+    Megatron-LM from ``root`` first on the path, plus the environment variables ``env``;
+    raises ``subprocess.TimeoutExpired`` a minute after cpu_run's own ``timeout``."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore", **env,
+               PYTHONPATH=os.pathsep.join([str(root), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "megatron_muon.megatron.cpu_run", "--nproc",
+                           str(nproc), "--timeout", str(timeout), str(script), *args], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=timeout + 60)
+
+
 def launch_mlm_runs(root: Path, out: Path, runs: list, argv: list, timeout: int,
                     nproc: int = 4, record_batches=()) -> tuple:
     """Run ``mlm_gpt.py``'s trainings ``runs`` (``[[name, extra args], ...]``) in one launch
     on ``nproc`` CPU ranks, with Megatron-LM from ``root`` (``patched_megatron``) and the
     common arguments ``argv``.  ``(returncode, {run name: its .json}, stderr)``."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     spec = {"out": str(out), "runs": runs}
     if record_batches:
         spec["record_batches"] = list(record_batches)
     (out / "spec.json").write_text(json.dumps(spec))
-    env = dict(os.environ, MLM_GPT_RUNS=str(out / "spec.json"), PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([str(root), str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "megatron_muon.megatron.cpu_run", "--nproc",
-                           str(nproc), "--timeout", str(timeout), str(SCRIPT), *argv], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=timeout + 60)
+    proc = _cpu_run(root, SCRIPT, argv, timeout, nproc, REPO,
+                    MLM_GPT_RUNS=str(out / "spec.json"))
     results = {}
     for name, _ in runs:
         path = out / f"{name}.json"
@@ -127,8 +133,6 @@ def launch_in_chunks(root: Path, out: Path, groups: list, argv: list, timeout: i
 
 def logged_losses(log: str) -> dict:
     """``{iteration: lm loss}`` from Megatron-LM's training log lines."""
-    import re
-
     return {int(m.group(1)): float(m.group(2)) for m in
             re.finditer(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)", log)}
 
@@ -141,28 +145,21 @@ def launch_stock_runs(root: Path, out: Path, runs: list, argv: list, timeout: in
     ``(returncode of the first failing run or 0, {run name: {"losses": [...],
     "first_iteration": n}} for the runs that finished, "")``: the losses are those
     Megatron-LM logs (``logged_losses``), so ``--log-interval 1`` belongs in ``argv``."""
-    import os
-    import subprocess
-    import sys
+    def text(s) -> str:  # TimeoutExpired carries bytes even under text=True
+        return s.decode(errors="replace") if isinstance(s, bytes) else (s or "")
 
-    env = dict(os.environ, PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([str(root), str(REPO), os.environ.get("PYTHONPATH", "")]))
     code, results = 0, {}
     for name, extra in runs:
         try:
-            proc = subprocess.run([sys.executable, "-m", "megatron_muon.megatron.cpu_run",
-                                   "--nproc", str(nproc), "--timeout", str(timeout),
-                                   str(root / "pretrain_gpt.py"), *argv, *extra], cwd=root,
-                                  env=env, capture_output=True, text=True, timeout=timeout + 60)
+            proc = _cpu_run(root, root / "pretrain_gpt.py", [*argv, *extra], timeout, nproc, root)
             rc, log = proc.returncode, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as e:
-            rc, log = 124, f"{e.stdout or ''}{e.stderr or ''}\nTimeoutError: {timeout + 60} s"
-        (out / f"{name}.log").write_text(log if isinstance(log, str) else log.decode())
+            rc, log = 124, f"{text(e.stdout)}{text(e.stderr)}\nTimeoutError: {timeout + 60} s"
+        (out / f"{name}.log").write_text(log)
         losses = logged_losses(log) if rc == 0 else {}
         if losses:
-            first = min(losses)
             results[name] = {"losses": [losses[i] for i in sorted(losses)],
-                             "first_iteration": first}
+                             "first_iteration": min(losses)}
         else:
             code = code or rc or 1
     return code, results, ""
