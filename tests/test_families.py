@@ -9,7 +9,7 @@ dmuon, matrix placement, ZeRO-3, split Newton-Schulz, muon_naive.  Precision: fp
 ``ci_plan`` picks the cases (a greedy all-pairs cover of the allowed product) and which of
 them are resumed at the same layout (bitwise: losses and the final checkpoint) and at another
 layout (fp32: within TOLERANCE of the uninterrupted run, test_megatron_lm.py's derivation).
-The runs go through ``mlm_gpt.py`` on 4 CPU ranks, a dozen per launch (the 0.19 lane: it
+The runs go through ``mlm_gpt.py`` on 4 CPU ranks, all in one launch (the 0.19 lane: it
 needs the wheel's ``megatron/training``).  ``python tools/sweep_families.py`` runs the whole product.
 """
 

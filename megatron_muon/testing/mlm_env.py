@@ -108,10 +108,11 @@ def checkpoint_tensors(path: Path) -> dict:
     return {k: v for k, v in torch.load(flat, weights_only=False).items() if torch.is_tensor(v)}
 
 
-#: runs per launch of ``mlm_gpt.py``: every run leaves its gloo process groups' threads
-#: behind (Megatron forgets its groups without destroying them, ~40 threads per rank and
-#: run); a launch of 50 runs reached 1500 threads per rank and ran its last runs 10x slower
-RUNS_PER_LAUNCH = 12
+#: runs per launch of ``mlm_gpt.py``: a launch's fixed cost (imports, the first checkpoint
+#: save) is ~30 s on 2 cores; its runs reuse their process groups (``mlm_gpt._ReusedGroups``),
+#: so a long launch stays as fast as a short one (the 52 runs of CI's families plan: 218 s in
+#: one launch, 591 s in launches of 12 before the reuse)
+RUNS_PER_LAUNCH = 60
 
 
 def launch_in_chunks(root: Path, out: Path, groups: list, argv: list, timeout: int) -> tuple:

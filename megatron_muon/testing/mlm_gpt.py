@@ -17,7 +17,8 @@ runs named in ``"record_batches"`` each rank's training microbatches go to
 whose arguments are a dict is a step between trainings instead (``{"merge": {...}}``:
 ``python -m megatron_muon.peft.merge`` on rank 0, ``_run_step``).
 Between runs Megatron-LM's global state is reset (``unset_global_variables``,
-``destroy_rerun_state_machine``, ``destroy_model_parallel``, the MoE metrics tracker).
+``destroy_rerun_state_machine``, ``destroy_model_parallel``, the MoE metrics tracker), and
+the runs reuse each other's process groups (``_ReusedGroups``).
 
 Needs ``megatron/training`` (megatron-core >= 0.17 or a Megatron-LM checkout), patched
 for ``--optimizer dmuon``.  On CPU:
@@ -150,9 +151,7 @@ def _reset_megatron() -> None:
         destroy_moe_metrics_tracker()
     except ImportError:
         pass
-    # The data loaders' worker processes live until their iterators are collected.  (Megatron
-    # forgets its process groups without destroying them, so each run leaves its gloo
-    # groups' threads behind, ~40 per rank: keep a launch to a dozen runs or so.)
+    # the data loaders' worker processes live until their iterators are collected
     import gc
 
     gc.collect()
@@ -184,6 +183,33 @@ def _run_step(name: str, step: dict, out: Path, rank: int) -> None:
         (out / f"{name}.json").write_text(json.dumps({"step": kind, "returncode": 0}))
 
 
+class _ReusedGroups:
+    """``torch.distributed.new_group`` for the runs of one launch: the n-th group a run asks
+    for with given ranks and backend is the n-th one an earlier run made with them, when there
+    is one.  Megatron-LM builds its process groups afresh in every run and forgets them without
+    destroying them, and the models and optimizers holding them stay alive through their
+    autograd hooks, so each run left ~40 gloo threads per rank behind; a launch of 50 runs
+    reached 1500 and ran its last runs 10x slower.  Every rank makes the same calls in the same
+    order, so all of them find (or make) the same groups; within a run the groups are as many
+    and as distinct as without reuse."""
+
+    def __init__(self):
+        self.made, self.seen = {}, {}
+        self.original = torch.distributed.new_group
+
+    def new_run(self) -> None:
+        self.seen = {}
+
+    def __call__(self, ranks=None, timeout=None, backend=None, *args, **kwargs):
+        base = (None if ranks is None else tuple(sorted(ranks)), str(backend),
+                bool(kwargs.get("use_local_synchronization")))
+        self.seen[base] = n = self.seen.get(base, 0) + 1
+        key = base + (n,)
+        if key not in self.made:
+            self.made[key] = self.original(ranks, timeout, backend, *args, **kwargs)
+        return self.made[key]
+
+
 def run_many(spec_path: str) -> None:
     global _RECORD_BATCHES
     from megatron_muon.megatron.cpu_mode import cpu_mode_active
@@ -193,7 +219,9 @@ def run_many(spec_path: str) -> None:
     out = Path(spec["out"])
     rank = int(os.environ.get("RANK", "0"))
     common = sys.argv[1:]
+    torch.distributed.new_group = groups = _ReusedGroups()
     for name, extra in spec["runs"]:
+        groups.new_run()
         if isinstance(extra, dict):  # a step between trainings, e.g. {"merge": {...}}
             _run_step(name, extra, out, rank)
             continue
