@@ -531,6 +531,42 @@ def test_moe_experts_equal_reference(ep):
     assert worst_excess(full, ref["params"])[0] < 1, worst_excess(full, ref["params"])
 
 
+# expert TP > 1: the experts' TP shards are pieces like dense TP shards, exchanged over the
+# expert TP x expert DP group (8 ranks at EP2: two groups of 4 that dmuon makes; TP2 x EP2
+# on 4 ranks: the expert TP group).  The same model and global batch (8 microbatches) at
+# every layout (layout_invariant_init), so one reference serves them all
+MOE_ETP = dict(MOE, swiglu=True, num_moe_experts=4)
+ETP_LAYOUTS = {"ep2-etp2-dp8": dict(world=8, tp=1, etp=2, ep=2, num_microbatches=1),
+               # MoE with TP: Megatron wants sequence parallelism
+               "tp2sp-ep2-etp2": dict(world=4, tp=2, etp=2, ep=2, num_microbatches=4, sp=True),
+               "matrix-ep2-etp2-dp8": dict(world=8, tp=1, etp=2, ep=2, num_microbatches=1,
+                                           placement="matrix")}
+
+
+@pytest.mark.parametrize("layout", list(ETP_LAYOUTS))
+def test_expert_tensor_parallel_equals_reference(layout):
+    """Expert TP 2 (fc1 a GLU, cut by expert TP like a dense GLU fc1): exact against the
+    single-process reference, with the optimizer state of every expert piece in the plan."""
+    key = ("moe_etp_reference",)
+    if key not in _CACHE:
+        _CACHE[key] = run_ranks("megatron_muon.testing.reference:reference_train", 1,
+                                dict(cfg=dict(MOE_ETP, num_microbatches=8), dp_size=1, steps=4,
+                                     opt=OPT), timeout=300)[0]
+    ref = _CACHE[key]
+    lay = dict(ETP_LAYOUTS[layout])
+    opt = dict(OPT, dmuon_placement=lay.pop("placement", "dmuon"))
+    cfg = dict(MOE_ETP, num_microbatches=lay.pop("num_microbatches"),
+               extra=dict(MOE_ETP["extra"], sequence_parallel=lay.pop("sp", False)))
+    res = run_ranks("megatron_muon.testing.workers:train_megatron", lay.pop("world"),
+                    dict(cfg=cfg, optimizer="dmuon", opt=opt, steps=4, **lay), timeout=300)
+    full = {}
+    for r in res:
+        full.update(r["params"])
+    assert set(full) == set(ref["params"])
+    assert any("local_experts.3.linear_fc1" in n for n in full)
+    assert worst_excess(full, ref["params"])[0] < 1, worst_excess(full, ref["params"])
+
+
 # --------------------------------------------------------------------------- MatrixFSDP placement
 MATRIX = dict(OPT, dmuon_placement="matrix")
 

@@ -87,11 +87,13 @@ def test_precision_aware_dtypes_are_refused_and_adam_keeps_them():
 
 
 # --------------------------------------------------------------------------- the factory
-def _chunk(cls_name="DistributedDataParallel", experts=False, **ddp):
-    """What ``check_supported`` reads of a model chunk: its class, ddp_config, buffers."""
+def _chunk(cls_name="DistributedDataParallel", experts=False, model=None, **ddp):
+    """What ``check_supported`` reads of a model chunk: its class, ddp_config, buffers and
+    model config (``model``: TransformerConfig fields)."""
     chunk = type(cls_name, (), {})()
     chunk.ddp_config = SimpleNamespace(**{"use_distributed_optimizer": True, **ddp})
     chunk.expert_parallel_buffers = [object()] if experts else []
+    chunk.config = SimpleNamespace(**(model or {}))
     return chunk
 
 
@@ -123,14 +125,21 @@ def test_factory_refuses_a_field_set_after_construction(field):
     (_chunk(), _groups(cp=2),
      "optimizer='dmuon' does not support context parallelism yet (context parallel size 2)"),
     (_chunk(experts=True), _groups(expt_tp=2),
-     "optimizer='dmuon' supports MoE experts with expert tensor parallel size 1 only (got 2); "
-     "set expert_tensor_parallel_size=1 (Megatron-LM: --expert-tensor-parallel-size 1)"),
-], ids=["megatron_fsdp", "torch_fsdp2", "context_parallel", "expert_tp"])
+     "optimizer='dmuon': dmuon_tp_mode='blockwise' treats dense TP shards only; with expert "
+     "tensor parallel size 2 use dmuon_tp_mode='exact'"),
+    (_chunk(model=dict(num_moe_experts=4, expert_tensor_parallel_size=2,
+                       tensor_model_parallel_size=1, expert_model_parallel_size=1)), _groups(),
+     "optimizer='dmuon': expert tensor parallel size 2 differs from the tensor parallel size 1 "
+     "at expert parallel size 1, where Megatron keeps the experts in the dense buffers"),
+], ids=["megatron_fsdp", "torch_fsdp2", "context_parallel", "expert_tp_blockwise",
+        "expert_tp_without_ep"])
 def test_factory_refuses_unsupported_layouts(chunk, groups, message):
     from megatron_muon.megatron import compat
 
+    blockwise = "blockwise" in message
     with pytest.raises(ValueError) as err:
-        compat.check_supported(cfg(), [chunk], groups)
+        compat.check_supported(cfg(dmuon_tp_mode="blockwise") if blockwise else cfg(),
+                               [chunk], groups)
     assert _one_line(err).startswith(message), str(err.value)
 
 
@@ -159,9 +168,10 @@ CLI = [  # (case, Megatron-LM's argument names, the one line validate_dmuon_args
     ("context_parallel", dict(context_parallel_size=2),
      "--optimizer dmuon does not support --context-parallel-size > 1 yet (got 2); use "
      "--context-parallel-size 1"),
-    ("expert_tp", dict(num_experts=4, expert_tensor_parallel_size=2),
-     "--optimizer dmuon supports MoE experts with --expert-tensor-parallel-size 1 only (got 2; "
-     "Megatron-LM defaults it to the tensor-parallel size); add --expert-tensor-parallel-size 1"),
+    ("expert_tp_without_ep", dict(num_experts=4, expert_tensor_parallel_size=2),
+     "--optimizer dmuon: --expert-tensor-parallel-size 2 differs from "
+     "--tensor-model-parallel-size 1 at --expert-model-parallel-size 1, where Megatron keeps "
+     "the experts in the dense buffers"),
     ("overlap_with_step",
      dict(overlap_param_gather=True, overlap_param_gather_with_optimizer_step=True),
      "--optimizer dmuon does not support --overlap-param-gather-with-optimizer-step: Megatron's "
@@ -194,13 +204,18 @@ def test_command_line_refuses_unsupported_megatron_flags(optimizer, values, mess
     assert validate_dmuon_args(adam) is adam  # Megatron's own optimizers: Megatron decides
 
 
-def test_command_line_accepts_expert_tp_of_a_dense_model():
-    """Megatron-LM sets --expert-tensor-parallel-size to the TP size when not given; without
-    --num-experts it means nothing."""
+@pytest.mark.parametrize("values", [
+    dict(num_experts=None, expert_tensor_parallel_size=2),  # a dense model: means nothing
+    dict(num_experts=4, expert_tensor_parallel_size=2, expert_model_parallel_size=2),
+    dict(num_experts=4, expert_tensor_parallel_size=2, tensor_model_parallel_size=2),
+], ids=["dense", "etp2_ep2", "etp2_tp2"])
+def test_command_line_accepts_expert_tp(values):
+    """Expert TP > 1 runs (tests/test_dmuon.py's expert TP test); Megatron-LM sets
+    --expert-tensor-parallel-size to the TP size when not given."""
     from megatron_muon.megatron.arguments import validate_dmuon_args
 
-    args = SimpleNamespace(optimizer="dmuon", use_distributed_optimizer=True, num_experts=None,
-                           expert_tensor_parallel_size=2, main_grads_dtype=torch.float32)
+    args = SimpleNamespace(optimizer="dmuon", use_distributed_optimizer=True,
+                           main_grads_dtype=torch.float32, **values)
     assert validate_dmuon_args(args) is args
 
 

@@ -58,7 +58,6 @@ __all__ = [
     "DMuonArgumentError",
     "MUON_ARGUMENTS",
     "DMUON_ARGUMENTS",
-    "megatron_tp_mode",
     "megatron_given",
     "GIVEN_ONLY",
     "reshardable_checkpoints",
@@ -107,11 +106,6 @@ def megatron_given(args: Any, name: str) -> Optional[Any]:
     if getattr(args, given_marker(name), True) is False:
         return None
     return getattr(args, name, None)
-
-
-def megatron_tp_mode(args: Any) -> Optional[str]:
-    """``megatron_given(args, 'muon_tp_mode')``."""
-    return megatron_given(args, "muon_tp_mode")
 
 
 class _Switch(argparse.Action):
@@ -219,8 +213,7 @@ def validate_dmuon_args(args: Any, parser: Optional[argparse.ArgumentParser] = N
 
     The checks are ``DMuonOptimizerConfig``'s (``config.check_dmuon_settings``), plus what
     only the command line knows (Megatron-LM's ``--overlap-grad-reduce``,
-    ``--context-parallel-size``, ``--use-torch-fsdp2``, ``--expert-tensor-parallel-size``
-    with ``--num-experts``, ...: ``config.check_muon_setup``).  Raises ``DMuonArgumentError``
+    ``--context-parallel-size``, ``--use-torch-fsdp2``, ...: ``config.check_muon_setup``).  Raises ``DMuonArgumentError``
     (or calls ``parser.error``: usage + ``error: msg``, exit code 2) with a message naming
     the flag.
     Returns ``args`` unchanged otherwise.

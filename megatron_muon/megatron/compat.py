@@ -272,12 +272,23 @@ def check_supported(config, model_chunks, groups) -> None:
     if groups.cp_size > 1:
         raise ValueError(f"optimizer={config.optimizer!r} does not support context parallelism "
                          f"yet (context parallel size {groups.cp_size}); use 1")
+    mcfg = getattr(model_chunks[0], "config", None)
+    etp, tp = (getattr(mcfg, k, None) or 1 for k in ("expert_tensor_parallel_size",
+                                                     "tensor_model_parallel_size"))
+    if getattr(mcfg, "num_moe_experts", None) and etp != tp and \
+            (getattr(mcfg, "expert_model_parallel_size", 1) or 1) == 1:
+        raise ValueError(f"optimizer={config.optimizer!r}: expert tensor parallel size {etp} "
+                         f"differs from the tensor parallel size {tp} at expert parallel size 1, "
+                         "where Megatron keeps the experts in the dense buffers and reduces "
+                         "their gradients over the dense data-parallel group; use "
+                         f"expert_model_parallel_size > 1 or expert_tensor_parallel_size={tp}")
     experts = any(getattr(c, "expert_parallel_buffers", None) for c in model_chunks)
-    if experts and groups.expt_tp_size > 1:
-        raise ValueError(f"optimizer={config.optimizer!r} supports MoE experts with expert tensor "
-                         f"parallel size 1 only (got {groups.expt_tp_size}); set "
-                         "expert_tensor_parallel_size=1 (Megatron-LM: "
-                         "--expert-tensor-parallel-size 1)")
+    if experts and groups.expt_tp_size > 1 and \
+            getattr(config, "dmuon_tp_mode", "exact") == "blockwise":
+        raise ValueError(f"optimizer={config.optimizer!r}: dmuon_tp_mode='blockwise' treats "
+                         "dense TP shards only; with expert tensor parallel size "
+                         f"{groups.expt_tp_size} use dmuon_tp_mode='exact' (Megatron-LM: "
+                         "--muon-tp-mode duplicated) or expert_tensor_parallel_size=1")
     if getattr(config, "dmuon_ns_backend", "auto") == "triton":
         _check_triton_usable(config, model_chunks)
 

@@ -13,6 +13,9 @@ Groups (``None`` where the layout does not have them):
   context parallel groups of this rank;
 * ``tp_dp``: the joint TP x DP group of this pipeline stage, DMuon's exchange group;
 * ``expt_tp``, ``expt_dp``: the expert tensor- and data-parallel groups (MoE);
+* ``expt_tp_dp``: their product, every rank holding a piece of this rank's experts (expert
+  TP x expert DP of one EP rank and stage), DMuon's exchange group for the experts: Megatron
+  has no such group, so ``build`` makes it when both factors are > 1 (else it is the other);
 * ``optimizer``: what Megatron's ``setup_process_groups_for_optimizer`` returns for the
   distributed optimizers (model-parallel group, intra-instance DP groups and their gloo
   copies, the grad-stats group).
@@ -20,6 +23,7 @@ Groups (``None`` where the layout does not have them):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -47,6 +51,7 @@ class DMuonGroups:
     expt_tp: Optional[Any] = None
     expt_dp: Optional[Any] = None
     cp: Optional[Any] = None
+    expt_tp_dp: Optional[Any] = None
     pg_collection: Optional[Any] = field(default=None, repr=False, compare=False)
     optimizer: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -58,6 +63,9 @@ class DMuonGroups:
     pp_size = property(lambda self: _size(self.pp), doc="pipeline-parallel size")
     cp_size = property(lambda self: _size(self.cp), doc="context-parallel size")
     expt_tp_size = property(lambda self: _size(self.expt_tp), doc="expert tensor-parallel size")
+    expt_tp_rank = property(lambda self: _rank(self.expt_tp),
+                            doc="rank in the expert tensor-parallel group")
+    expt_dp_size = property(lambda self: _size(self.expt_dp), doc="expert data-parallel size")
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -110,9 +118,31 @@ class DMuonGroups:
 
         groups = cls.from_pg_collection(pg_collection) if pg_collection is not None \
             else cls.from_parallel_state()
+        groups = dataclasses.replace(groups, expt_tp_dp=_product_group(groups.expt_tp,
+                                                                       groups.expt_dp))
         if model_chunks is None:
             return groups
         opt = ProcessGroupCollection.setup_process_groups_for_optimizer(
             pg_collection, model_chunks, use_gloo_process_groups)
-        return cls(**{**{f: getattr(groups, f) for f in groups.__dataclass_fields__},
-                      "optimizer": dict(opt)})
+        return dataclasses.replace(groups, optimizer=dict(opt))
+
+
+def _product_group(a, b):
+    """The group of every rank that ``a`` x ``b`` reach from this rank (``a`` then ``b``
+    hops; Megatron's groups tile the world so that the order does not matter): ``a`` or ``b``
+    itself when the other has one rank.  Collective over the world, as ``new_group`` is:
+    every rank learns every rank's members of both and makes each distinct product, in one
+    order, keeping its own."""
+    if _size(a) == 1 or _size(b) == 1:
+        return b if _size(a) == 1 else a
+    members = [None] * dist.get_world_size()
+    dist.all_gather_object(members, (dist.get_process_group_ranks(a),
+                                     dist.get_process_group_ranks(b)))
+    products = [tuple(sorted({r for q in b_ranks for r in members[q][0]}))
+                for _, b_ranks in members]
+    mine = None
+    for ranks in sorted(set(products)):
+        group = dist.new_group(list(ranks))
+        if ranks == products[dist.get_rank()]:
+            mine = group
+    return mine

@@ -27,13 +27,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_parallel", "wire_ddp_hooks", "global_param_name", "TinyGPTConfig",
+__all__ = ["init_parallel", "wire_ddp_hooks", "global_param_name", "tp_of", "TinyGPTConfig",
            "transformer_config", "build_gpt", "layout_invariant_init"]
 
 
 def init_parallel(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1,
-                  seed: int = 1234) -> None:
-    """Megatron model-parallel groups + RNG for an already initialised world."""
+                  seed: int = 1234, etp: Optional[int] = None) -> None:
+    """Megatron model-parallel groups + RNG for an already initialised world (``etp``:
+    expert TP, default ``tp`` as in Megatron)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -43,7 +44,8 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int =
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep)
+        virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp)
     torch.manual_seed(seed)  # CPU init (use_cpu_initialization) draws from this generator
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available())
 
@@ -223,6 +225,18 @@ def _to_tp_order(name, model, full: torch.Tensor, tp: int) -> torch.Tensor:
     return torch.cat([torch.cat([gt, ut]) for gt, ut in zip(g.chunk(tp), u.chunk(tp))])
 
 
+def tp_of(param) -> tuple:
+    """``(group, size, rank)`` of the tensor-parallel group that shards ``param``: expert TP
+    for MoE experts (Megatron marks their parameters ``allreduce=False``), else TP."""
+    from megatron.core import parallel_state as ps
+
+    if getattr(param, "allreduce", True) is False:
+        return (ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size(),
+                ps.get_expert_tensor_parallel_rank())
+    return (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_rank())
+
+
 def _from_tp_order(name, model, cat: torch.Tensor, tp: int) -> torch.Tensor:
     if tp == 1 or not _gated_fc1(name, model):
         return cat
@@ -240,11 +254,9 @@ def layout_invariant_init(model, cfg: TinyGPTConfig) -> None:
     """
     import zlib
 
-    from megatron.core import parallel_state as ps
-
-    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     for name, p in model.named_parameters():
         gname = global_param_name(model, name)
+        _, tp, tp_rank = tp_of(p)
         shape = list(p.shape)
         dim = int(p.partition_dim) if getattr(p, "tensor_model_parallel", False) else None
         if dim is not None:

@@ -61,7 +61,7 @@ from megatron_muon.megatron.arguments import DMuonArgumentError
 
 __all__ = ["add_peft_args", "validate_peft_args", "PEFTArgumentError", "LoRAModelBuild",
            "get_lora_optimizer", "LoRAMegatronOptimizer", "PEFT_ARGUMENTS", "LORA_OPTIMIZERS",
-           "DEFAULT_TARGET_MODULES", "lora_enabled", "checkpoint_contents", "load_base_weights"]
+           "DEFAULT_TARGET_MODULES", "checkpoint_contents", "load_base_weights"]
 
 #: Megatron-Bridge's ``LoRA.target_modules`` default (experts' linear_fc1 / fc2 included:
 #: a name matches every module whose dotted name ends with it).
@@ -80,10 +80,6 @@ _LORA_KEY = ".lora."
 
 class PEFTArgumentError(DMuonArgumentError):
     """A bad or unsupported ``--lora-*`` / ``--relora-*`` / ``--smuon-*`` combination."""
-
-
-def lora_enabled(args: Any) -> bool:
-    return bool(getattr(args, "lora_rank", None))
 
 
 # ============================================================================== arguments

@@ -9,9 +9,9 @@ deterministically, cases until every pair of values of two dimensions that some 
 contains is in one of them; ``all_cases`` is the full product (less what is not allowed).
 
 What is not allowed, and why (``allowed``): expert-parallel layouts need an MoE family;
-MoE with TP needs sequence parallelism (Megatron refuses it otherwise), and runs its
-experts at expert-TP 1 (dmuon refuses expert TP > 1); ``--dmuon-zero3`` is refused for MoE
-models at setup.  Everything else must run.
+MoE with TP needs sequence parallelism (Megatron refuses it otherwise); ``--dmuon-zero3`` is
+refused for MoE models at setup.  Everything else must run.  MoE layouts run their experts
+at expert TP 1, except TP2 x EP2, at expert TP 2 (Megatron-LM's default there: the TP size).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ LLAMA = GQA + SWIGLU_RMS_ROPE
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
        "--moe-token-dispatcher-type", "allgather", "--moe-router-load-balancing-type", "aux_loss",
        "--moe-aux-loss-coeff", "1e-2",
-       # dmuon plans experts at expert-TP 1; Megatron-LM defaults it to the TP size
+       # Megatron-LM defaults it to the TP size; tp2ep2 sets 2 (the layout's flag comes later)
        "--expert-tensor-parallel-size", "1"]
 
 FAMILIES = {
@@ -67,7 +67,7 @@ LAYOUTS = {
                "--num-layers-per-virtual-pipeline-stage", "1"],
     "ep2": ["--expert-model-parallel-size", "2"],
     "tp2ep2": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-               "--expert-model-parallel-size", "2"],
+               "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"],
 }
 EP_LAYOUTS = {"ep2", "tp2ep2"}
 # where each layout's checkpoint is resumed at another layout (TP <-> PP <-> DP).  MoE

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron_muon.megatron.models import (TinyGPTConfig, _from_tp_order, build_gpt,
                                            global_param_name, init_parallel,
-                                           layout_invariant_init, transformer_config,
+                                           layout_invariant_init, tp_of, transformer_config,
                                            wire_ddp_hooks)
 
 __all__ = [
@@ -112,16 +112,14 @@ def full_named_params(model: list, use_main_params: bool = False) -> dict:
 
 
 def _full_named_params(model: list) -> dict:
-    from megatron.core import parallel_state as ps
     from megatron.core.utils import unwrap_model
 
-    tp_group = ps.get_tensor_model_parallel_group()
-    tp = ps.get_tensor_model_parallel_world_size()
     out = {}
     for chunk in model:
         gpt = unwrap_model(chunk)
         for name, p in gpt.named_parameters():
             t = p.detach().float()
+            tp_group, tp, _ = tp_of(p)
             if tp > 1 and getattr(p, "tensor_model_parallel", False):
                 parts = [torch.empty_like(t) for _ in range(tp)]
                 dist.all_gather(parts, t.contiguous(), group=tp_group)

@@ -87,6 +87,7 @@ def _zero3_gathers(model) -> int:
 
 
 def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1,
+                   etp: Optional[int] = None,
                    optimizer: str = "adam", opt: Optional[dict] = None, steps: int = 3,
                    ddp: Optional[dict] = None, return_params: bool = True,
                    checkpoint: Optional[dict] = None, inf_at_step: Optional[int] = None,
@@ -95,7 +96,8 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
                    matrix_placement: bool = True, recheck_max_logit: bool = False,
                    overlap_gate: Optional[dict] = None,
                    exchange_geometry: bool = False) -> dict:
-    """Train the tiny GPT for ``steps`` steps; return losses and (TP-gathered) parameters.
+    """Train the tiny GPT for ``steps`` steps; return losses and (TP-gathered) parameters
+    (``etp``: expert TP, default ``tp``).
 
     ``inf_at_step`` writes an Inf into every rank's reduced gradient buffer at that step
     (the optimizer must detect it and skip the step); ``params_each_step`` also returns the
@@ -121,7 +123,7 @@ def train_megatron(cfg: dict, tp: int = 1, pp: int = 1, vpp: Optional[int] = Non
     from megatron_muon.megatron.factory import get_megatron_optimizer
 
     gcfg = TinyGPTConfig(**cfg)
-    init_parallel(tp=tp, pp=pp, vpp=vpp, ep=ep, seed=gcfg.seed)
+    init_parallel(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, seed=gcfg.seed)
     ddp_kwargs = dict(use_distributed_optimizer=True, overlap_grad_reduce=False,
                       grad_reduce_in_fp32=True)
     ddp_kwargs.update(ddp or {})
