@@ -511,24 +511,36 @@ MOE = {"num_moe_experts": 2, "num_microbatches": 2,
        "extra": {"moe_token_dispatcher_type": "allgather"}}  # alltoall: gloo wants list splits
 
 
+def assert_moe_equals_reference(model: dict, world: int, microbatches: int, expert: str,
+                                sp: bool = False, **train_kwargs) -> None:
+    """``train_megatron`` of the MoE ``model`` on ``world`` ranks, ``microbatches`` per DP
+    rank (``sp``: sequence parallelism), equals the single-process reference of the same
+    global batch (cached per model and batch), every expert included (a parameter named
+    ``expert`` must be there)."""
+    dp = world // train_kwargs.get("tp", 1)
+    key = ("moe_reference", repr(sorted(model.items())), dp * microbatches)
+    if key not in _CACHE:
+        _CACHE[key] = run_ranks("megatron_muon.testing.reference:reference_train", 1,
+                                dict(cfg=dict(model, num_microbatches=dp * microbatches),
+                                     dp_size=1, steps=4, opt=OPT), timeout=300)[0]["params"]
+    ref = _CACHE[key]
+    cfg = dict(model, num_microbatches=microbatches,
+               extra=dict(model.get("extra", {}), sequence_parallel=sp))
+    res = run_ranks("megatron_muon.testing.workers:train_megatron", world,
+                    dict(cfg=cfg, optimizer="dmuon", steps=4, **train_kwargs), timeout=300)
+    full = {}
+    for r in res:
+        full.update(r["params"])
+    assert set(full) == set(ref)
+    assert any(expert in n for n in full)
+    assert worst_excess(full, ref)[0] < 1, worst_excess(full, ref)
+
+
 @pytest.mark.parametrize("ep", [1, 2])
 def test_moe_experts_equal_reference(ep):
     """One unit per expert, planned over the expert-data-parallel group (EP1: 2 ranks share
     the experts' work; EP2: each rank owns its local experts)."""
-    key = ("moe_reference",)
-    if key not in _CACHE:
-        _CACHE[key] = run_ranks("megatron_muon.testing.reference:reference_train", 1,
-                                dict(cfg=dict(MOE, num_microbatches=4), dp_size=1, steps=4,
-                                     opt=OPT), timeout=300)[0]
-    ref = _CACHE[key]
-    res = run_ranks("megatron_muon.testing.workers:train_megatron", 2,
-                    dict(cfg=MOE, ep=ep, optimizer="dmuon", opt=OPT, steps=4), timeout=300)
-    full = {}
-    for r in res:
-        full.update(r["params"])
-    assert set(full) == set(ref["params"])
-    assert any("local_experts.1." in n for n in full)
-    assert worst_excess(full, ref["params"])[0] < 1, worst_excess(full, ref["params"])
+    assert_moe_equals_reference(MOE, 2, 2, "local_experts.1.", ep=ep, opt=OPT)
 
 
 # expert TP > 1: the experts' TP shards are pieces like dense TP shards, exchanged over the
@@ -547,24 +559,10 @@ ETP_LAYOUTS = {"ep2-etp2-dp8": dict(world=8, tp=1, etp=2, ep=2, num_microbatches
 def test_expert_tensor_parallel_equals_reference(layout):
     """Expert TP 2 (fc1 a GLU, cut by expert TP like a dense GLU fc1): exact against the
     single-process reference, with the optimizer state of every expert piece in the plan."""
-    key = ("moe_etp_reference",)
-    if key not in _CACHE:
-        _CACHE[key] = run_ranks("megatron_muon.testing.reference:reference_train", 1,
-                                dict(cfg=dict(MOE_ETP, num_microbatches=8), dp_size=1, steps=4,
-                                     opt=OPT), timeout=300)[0]
-    ref = _CACHE[key]
     lay = dict(ETP_LAYOUTS[layout])
     opt = dict(OPT, dmuon_placement=lay.pop("placement", "dmuon"))
-    cfg = dict(MOE_ETP, num_microbatches=lay.pop("num_microbatches"),
-               extra=dict(MOE_ETP["extra"], sequence_parallel=lay.pop("sp", False)))
-    res = run_ranks("megatron_muon.testing.workers:train_megatron", lay.pop("world"),
-                    dict(cfg=cfg, optimizer="dmuon", opt=opt, steps=4, **lay), timeout=300)
-    full = {}
-    for r in res:
-        full.update(r["params"])
-    assert set(full) == set(ref["params"])
-    assert any("local_experts.3.linear_fc1" in n for n in full)
-    assert worst_excess(full, ref["params"])[0] < 1, worst_excess(full, ref["params"])
+    assert_moe_equals_reference(MOE_ETP, lay.pop("world"), lay.pop("num_microbatches"),
+                                "local_experts.3.linear_fc1", opt=opt, **lay)
 
 
 # --------------------------------------------------------------------------- MatrixFSDP placement
