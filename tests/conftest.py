@@ -41,6 +41,8 @@ SECONDARY_LANE = {
     "test_families.py",  # the model families through Megatron-LM's loop (its megatron/training)
     ("test_dmuon.py", "test_model_families_equal_reference[mla-dp4]"),
     ("test_dmuon.py", "test_model_families_equal_reference[mla-tp2dp2]"),
+    ("test_dmuon.py", "test_model_families_equal_reference[mla_qkln-dp4]"),
+    ("test_dmuon.py", "test_model_families_equal_reference[mla_qkln-tp2dp2]"),
     ("test_dmuon.py", "test_head_wise_qkv_split_equals_reference[mla-dp4]"),
     ("test_dmuon.py", "test_dmuon_equals_reference[tp2dp2]"),
     ("test_dmuon.py", "test_dmuon_equals_reference[pp2dp2]"),

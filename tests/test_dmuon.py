@@ -420,12 +420,14 @@ def test_bf16_params_dmuon_equals_naive():
 # The families users train, in the harness's tiny GPT (4 layers, hidden 64, ffn 128: the same
 # K and matrix sizes MUON_ATOL is derived for): Llama (GQA + SwiGLU), Qwen3 (+ q/k layer
 # norms, TP-replicated weights whose gradients Megatron sums over TP) and DeepSeek-V3 style
-# multi-latent attention (q and kv LoRA down / up projections, each its own Muon unit; its
-# q/kv latent norms go to AdamW).  MoE: test_moe_experts_equal_reference.
+# multi-latent attention (q and kv LoRA down / up projections, each its own Muon unit), also
+# with its q/kv latent norms (qk_layernorm, as DeepSeek-V3 ships; they go to AdamW).  MoE:
+# test_moe_experts_equal_reference.
 FAMILIES = {
     "llama": dict(swiglu=True, num_query_groups=2),
     "qwen3": dict(swiglu=True, num_query_groups=2, extra={"qk_layernorm": True}),
     "mla": dict(swiglu=True, multi_latent_attention=True),
+    "mla_qkln": dict(swiglu=True, multi_latent_attention=True, extra={"qk_layernorm": True}),
 }
 
 
@@ -450,10 +452,11 @@ def test_model_families_equal_reference(family, layout):
     import megatron.core
     from packaging.version import Version
 
-    if family == "mla" and Version(megatron.core.__version__) < Version("0.19"):
+    mla = family.startswith("mla")
+    if mla and Version(megatron.core.__version__) < Version("0.19"):
         pytest.skip("megatron-core 0.16's MLA asks isinstance(linear_proj, TELinear) with "
                     "TELinear None when Transformer Engine is absent; the 0.19 lane runs it")
-    if family == "mla" and layout == "tp2dp2":
+    if mla and layout == "tp2dp2":
         ref = merged_params(train(layout, optimizer="muon_naive", cfg_extra=FAMILIES[family]))
     else:
         ref = family_reference(family)["params"]
@@ -461,7 +464,7 @@ def test_model_families_equal_reference(family, layout):
     assert set(full) == set(ref)
     excess, name = worst_excess(full, ref)
     assert excess < 1, f"{name}: {excess:.2f} x its tolerance"
-    if family == "mla":  # each of MLA's matrices is a Muon unit, its latent norms are not
+    if mla:  # each of MLA's matrices is a Muon unit, its latent norms are not
         muon = {n.split(".self_attention.")[1] for n in ref if ".self_attention." in n and
                 is_muon_matrix(n, ref[n])}
         assert muon == {f"{m}.weight" for m in ("linear_q_down_proj", "linear_q_up_proj",

@@ -87,14 +87,22 @@ def test_precision_aware_dtypes_are_refused_and_adam_keeps_them():
 
 
 # --------------------------------------------------------------------------- the factory
-def _chunk(cls_name="DistributedDataParallel", experts=False, model=None, **ddp):
-    """What ``check_supported`` reads of a model chunk: its class, ddp_config, buffers and
-    model config (``model``: TransformerConfig fields)."""
-    chunk = type(cls_name, (), {})()
+def _chunk(cls_name="DistributedDataParallel", experts=False, model=None, params=(), **ddp):
+    """What ``check_supported`` reads of a model chunk: its class, ddp_config, buffers,
+    model config (``model``: TransformerConfig fields) and ``params`` (name, parameter)."""
+    chunk = type(cls_name, (), {"named_parameters": lambda self: iter(params)})()
     chunk.ddp_config = SimpleNamespace(**{"use_distributed_optimizer": True, **ddp})
     chunk.expert_parallel_buffers = [object()] if experts else []
     chunk.config = SimpleNamespace(**(model or {}))
     return chunk
+
+
+def _expert_weight(allreduce: bool):
+    """An expert's fc1 as Megatron marks it: ``allreduce=False`` when it is in the expert
+    buffers, True when in the dense ones."""
+    p = torch.nn.Parameter(torch.zeros(4, 4))
+    p.allreduce = allreduce
+    return ("decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight", p)
 
 
 def _groups(cp=1, expt_tp=1):
@@ -127,10 +135,11 @@ def test_factory_refuses_a_field_set_after_construction(field):
     (_chunk(experts=True), _groups(expt_tp=2),
      "optimizer='dmuon': dmuon_tp_mode='blockwise' treats dense TP shards only; with expert "
      "tensor parallel size 2 use dmuon_tp_mode='exact'"),
-    (_chunk(model=dict(num_moe_experts=4, expert_tensor_parallel_size=2,
-                       tensor_model_parallel_size=1, expert_model_parallel_size=1)), _groups(),
-     "optimizer='dmuon': expert tensor parallel size 2 differs from the tensor parallel size 1 "
-     "at expert parallel size 1, where Megatron keeps the experts in the dense buffers"),
+    # megatron-core 0.16 at EP 1: expert-TP shards in the dense buffers
+    (_chunk(model=dict(expert_tensor_parallel_size=2, tensor_model_parallel_size=1),
+            params=[_expert_weight(allreduce=True)]), _groups(),
+     "optimizer='dmuon': this Megatron-Core keeps MoE experts sharded by expert TP 2 in the "
+     "dense buffers"),
 ], ids=["megatron_fsdp", "torch_fsdp2", "context_parallel", "expert_tp_blockwise",
         "expert_tp_without_ep"])
 def test_factory_refuses_unsupported_layouts(chunk, groups, message):
@@ -168,10 +177,6 @@ CLI = [  # (case, Megatron-LM's argument names, the one line validate_dmuon_args
     ("context_parallel", dict(context_parallel_size=2),
      "--optimizer dmuon does not support --context-parallel-size > 1 yet (got 2); use "
      "--context-parallel-size 1"),
-    ("expert_tp_without_ep", dict(num_experts=4, expert_tensor_parallel_size=2),
-     "--optimizer dmuon: --expert-tensor-parallel-size 2 differs from "
-     "--tensor-model-parallel-size 1 at --expert-model-parallel-size 1, where Megatron keeps "
-     "the experts in the dense buffers"),
     ("overlap_with_step",
      dict(overlap_param_gather=True, overlap_param_gather_with_optimizer_step=True),
      "--optimizer dmuon does not support --overlap-param-gather-with-optimizer-step: Megatron's "
@@ -208,7 +213,10 @@ def test_command_line_refuses_unsupported_megatron_flags(optimizer, values, mess
     dict(num_experts=None, expert_tensor_parallel_size=2),  # a dense model: means nothing
     dict(num_experts=4, expert_tensor_parallel_size=2, expert_model_parallel_size=2),
     dict(num_experts=4, expert_tensor_parallel_size=2, tensor_model_parallel_size=2),
-], ids=["dense", "etp2_ep2", "etp2_tp2"])
+    # megatron-core 0.19 gives these experts expert groups; 0.16 does not, which the factory
+    # refuses where it sees the parameters (test_factory_refuses_unsupported_layouts)
+    dict(num_experts=4, expert_tensor_parallel_size=1, tensor_model_parallel_size=2),
+], ids=["dense", "etp2_ep2", "etp2_tp2", "etp1_tp2"])
 def test_command_line_accepts_expert_tp(values):
     """Expert TP > 1 runs (tests/test_dmuon.py's expert TP test); Megatron-LM sets
     --expert-tensor-parallel-size to the TP size when not given."""
@@ -346,8 +354,6 @@ REFUSED_ARGV = {  # Megatron-LM's own spellings, parsed by its parser -> in the 
     "torch_fsdp2": (["--use-torch-fsdp2"], "drop --use-torch-fsdp2"),
     "cpu_offload": (["--optimizer-cpu-offload"], "drop --optimizer-cpu-offload"),
     "context_parallel": (["--context-parallel-size", "2"], "use --context-parallel-size 1"),
-    "expert_tp": (["--num-experts", "4", "--expert-tensor-parallel-size", "2"],
-                  "add --expert-tensor-parallel-size 1"),
     "overlap_with_step": (["--overlap-param-gather", "--overlap-param-gather-with-optimizer-step"],
                           "drop --overlap-param-gather-with-optimizer-step"),
     "cuda_graph": (["--optimizer-cuda-graph"], "drop --optimizer-cuda-graph"),
@@ -356,6 +362,8 @@ REFUSED_ARGV = {  # Megatron-LM's own spellings, parsed by its parser -> in the 
                           "adamuon"], "contradict each other"),
 }
 ACCEPTED_ARGV = {"plain": [], "dense_expert_tp": ["--expert-tensor-parallel-size", "2"],
+                 "moe_expert_tp": ["--num-experts", "4", "--expert-tensor-parallel-size", "2",
+                                   "--expert-model-parallel-size", "2"],
                  "normuon": ["--adaptive-muon-moment2-method", "normuon"]}
 
 @pytest.fixture(scope="module")
@@ -382,9 +390,10 @@ def test_megatron_flags_table_lists_every_megatron_lm_optimizer_flag(megatron_lm
     assert len(some) <= 4, some
     refused = {f for f, (status, _) in table.items() if status == "refused"}
     assert {"--use-precision-aware-optimizer", "--use-megatron-fsdp", "--use-torch-fsdp2",
-            "--optimizer-cpu-offload", "--context-parallel-size", "--expert-tensor-parallel-size",
+            "--optimizer-cpu-offload", "--context-parallel-size",
             "--overlap-param-gather-with-optimizer-step"} <= refused
     assert table["--adaptive-muon-moment2-method"][0] == "maps"
+    assert table["--expert-tensor-parallel-size"][0] == "works"
 
 
 @needs_training

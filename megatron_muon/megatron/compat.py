@@ -275,13 +275,14 @@ def check_supported(config, model_chunks, groups) -> None:
     mcfg = getattr(model_chunks[0], "config", None)
     etp, tp = (getattr(mcfg, k, None) or 1 for k in ("expert_tensor_parallel_size",
                                                      "tensor_model_parallel_size"))
-    if getattr(mcfg, "num_moe_experts", None) and etp != tp and \
-            (getattr(mcfg, "expert_model_parallel_size", 1) or 1) == 1:
-        raise ValueError(f"optimizer={config.optimizer!r}: expert tensor parallel size {etp} "
-                         f"differs from the tensor parallel size {tp} at expert parallel size 1, "
-                         "where Megatron keeps the experts in the dense buffers and reduces "
-                         "their gradients over the dense data-parallel group; use "
-                         f"expert_model_parallel_size > 1 or expert_tensor_parallel_size={tp}")
+    if etp != tp and any(".experts." in name and getattr(p, "allreduce", True)
+                         for c in model_chunks for name, p in c.named_parameters()):
+        raise ValueError(f"optimizer={config.optimizer!r}: this Megatron-Core keeps MoE experts "
+                         f"sharded by expert TP {etp} in the dense buffers (expert parallel size "
+                         f"1), reducing their gradients over the dense data-parallel group of TP "
+                         f"{tp}; use expert_model_parallel_size > 1 or "
+                         f"expert_tensor_parallel_size={tp} (megatron-core >= 0.19 gives them "
+                         "expert groups)")
     experts = any(getattr(c, "expert_parallel_buffers", None) for c in model_chunks)
     if experts and groups.expt_tp_size > 1 and \
             getattr(config, "dmuon_tp_mode", "exact") == "blockwise":

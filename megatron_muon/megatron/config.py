@@ -621,14 +621,6 @@ def check_muon_setup(get: Callable[[str], Any], *, cli: bool, error: type = Valu
         if size > 1:
             fail(f"{opt} does not support {N(key)} > 1{later} (got {size}); "
                  f"use {s.set(key, 1)}")
-    etp, tp = get("expert_tensor_parallel_size"), get("tensor_model_parallel_size") or 1
-    if (get("num_experts") or 0) > 0 and etp not in (None, tp) and \
-            (get("expert_model_parallel_size") or 1) == 1:
-        fail(f"{opt}: {N('expert_tensor_parallel_size')} {etp} differs from "
-             f"{N('tensor_model_parallel_size')} {tp} at {N('expert_model_parallel_size')} 1, "
-             "where Megatron keeps the experts in the dense buffers and reduces their gradients "
-             f"over the dense data-parallel group; add {s.set('expert_model_parallel_size', 2)} "
-             f"or {s.set('expert_tensor_parallel_size', tp)}")
     if get("dump_param_to_param_group_map"):
         fail(f"{opt} does not support {N('dump_param_to_param_group_map')} (its parameter "
              f"groups are split between DMuon and AdamW); drop it")
