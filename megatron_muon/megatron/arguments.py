@@ -213,9 +213,9 @@ def validate_dmuon_args(args: Any, parser: Optional[argparse.ArgumentParser] = N
 
     The checks are ``DMuonOptimizerConfig``'s (``config.check_dmuon_settings``), plus what
     only the command line knows (Megatron-LM's ``--overlap-grad-reduce``,
-    ``--context-parallel-size``, ``--use-torch-fsdp2``, ...: ``config.check_muon_setup``).  Raises ``DMuonArgumentError``
-    (or calls ``parser.error``: usage + ``error: msg``, exit code 2) with a message naming
-    the flag.
+    ``--context-parallel-size``, ``--use-torch-fsdp2``, ...: ``config.check_muon_setup``).
+    Raises ``DMuonArgumentError`` (or calls ``parser.error``: usage + ``error: msg``, exit
+    code 2) with a message naming the flag.
     Returns ``args`` unchanged otherwise.
     """
     if getattr(args, "optimizer", None) not in _MUON_OPTIMIZERS:
