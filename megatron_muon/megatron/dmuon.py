@@ -612,13 +612,7 @@ def exchange_group(groups, cfg, expert: bool) -> tuple:
         etp, etp_rank = groups.expt_tp_size, groups.expt_tp_rank
         if matrix:  # every expert matrix is whole on one expert-DP rank's expert-TP group
             return groups.expt_tp, etp, etp_rank
-        group = groups.expt_tp_dp
-        if group is None:
-            if etp > 1 and groups.expt_dp_size > 1:
-                raise ValueError("DMuon with expert TP > 1 and expert DP > 1 exchanges over "
-                                 "their product group, which DMuonGroups.build makes")
-            group = groups.expt_dp if etp == 1 else groups.expt_tp
-        return group, etp, etp_rank
+        return groups.expt_exchange, etp, etp_rank
     if cfg.dmuon_tp_mode == "blockwise":  # each TP shard is a matrix of its own
         return (None if matrix else groups.dp), 1, 0
     # matrix placement: a unit's TP shards sit on one DP rank's TP group

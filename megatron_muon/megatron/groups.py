@@ -14,8 +14,9 @@ Groups (``None`` where the layout does not have them):
 * ``tp_dp``: the joint TP x DP group of this pipeline stage, DMuon's exchange group;
 * ``expt_tp``, ``expt_dp``: the expert tensor- and data-parallel groups (MoE);
 * ``expt_tp_dp``: their product, every rank holding a piece of this rank's experts (expert
-  TP x expert DP of one EP rank and stage), DMuon's exchange group for the experts: Megatron
-  has no such group, so ``build`` makes it when both factors are > 1 (else it is the other);
+  TP x expert DP of one EP rank and stage): Megatron has no such group, so ``build`` makes it
+  when both factors have more than one rank (``expt_exchange``: DMuon's exchange group for
+  the experts, this product or the one factor that is more than one rank);
 * ``optimizer``: what Megatron's ``setup_process_groups_for_optimizer`` returns for the
   distributed optimizers (model-parallel group, intra-instance DP groups and their gloo
   copies, the grad-stats group).
@@ -66,6 +67,18 @@ class DMuonGroups:
     expt_tp_rank = property(lambda self: _rank(self.expt_tp),
                             doc="rank in the expert tensor-parallel group")
     expt_dp_size = property(lambda self: _size(self.expt_dp), doc="expert data-parallel size")
+
+    @property
+    def expt_exchange(self):
+        """Every rank holding a piece of this rank's experts: ``expt_tp_dp`` when both expert
+        TP and expert DP have more than one rank (``build`` makes it), else the factor that
+        has (expert DP when neither has)."""
+        if self.expt_tp_dp is not None:
+            return self.expt_tp_dp
+        if self.expt_tp_size > 1 and self.expt_dp_size > 1:
+            raise ValueError("DMuon with expert TP > 1 and expert DP > 1 exchanges over their "
+                             "product group, which DMuonGroups.build makes")
+        return self.expt_tp if self.expt_tp_size > 1 else self.expt_dp
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -118,8 +131,9 @@ class DMuonGroups:
 
         groups = cls.from_pg_collection(pg_collection) if pg_collection is not None \
             else cls.from_parallel_state()
-        groups = dataclasses.replace(groups, expt_tp_dp=_product_group(groups.expt_tp,
-                                                                       groups.expt_dp))
+        if groups.expt_tp_size > 1 and groups.expt_dp_size > 1:
+            groups = dataclasses.replace(groups, expt_tp_dp=_product_group(groups.expt_tp,
+                                                                           groups.expt_dp))
         if model_chunks is None:
             return groups
         opt = ProcessGroupCollection.setup_process_groups_for_optimizer(
@@ -129,12 +143,9 @@ class DMuonGroups:
 
 def _product_group(a, b):
     """The group of every rank that ``a`` x ``b`` reach from this rank (``a`` then ``b``
-    hops; Megatron's groups tile the world so that the order does not matter): ``a`` or ``b``
-    itself when the other has one rank.  Collective over the world, as ``new_group`` is:
-    every rank learns every rank's members of both and makes each distinct product, in one
-    order, keeping its own."""
-    if _size(a) == 1 or _size(b) == 1:
-        return b if _size(a) == 1 else a
+    hops; Megatron's groups tile the world so that the order does not matter).  Collective
+    over the world, as ``new_group`` is: every rank learns every rank's members of both and
+    makes each distinct product, in one order, keeping its own."""
     members = [None] * dist.get_world_size()
     dist.all_gather_object(members, (dist.get_process_group_ranks(a),
                                      dist.get_process_group_ranks(b)))
